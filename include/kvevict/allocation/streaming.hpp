@@ -1,0 +1,52 @@
+#pragma once
+/// Stage 2.5, StreamingLLM (arXiv 2309.17453) baseline: positional, no scores.
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kvevict/core/budget.hpp"
+#include "kvevict/core/inputs.hpp"
+#include "kvevict/core/selection.hpp"
+#include "kvevict/ranking/topk.hpp"
+
+namespace kvevict {
+
+/// Every KV head keeps its first min(sinks, n_kept) tokens (attention sinks) and its most recent
+/// max(0, n_kept - sinks) tokens. Reads only the keys' shape.
+class StreamingLLM {
+ public:
+  struct Params {
+    Index sinks = 4;
+    void validate(const char* where) const {
+      detail::require(sinks >= 0, where, "sinks must be >= 0, got ", sinks);
+    }
+  };
+
+  StreamingLLM() = default;
+  explicit StreamingLLM(const Params& params) : params_((params.validate("StreamingLLM"), params)) {}
+  const Params& params() const { return params_; }
+
+  /// Selection over a layer of kv_heads x tokens.
+  Selection select(Index kv_heads, Index tokens, const Budget& budget) const {
+    detail::require(kv_heads >= 1 && tokens >= 1, "select", "StreamingLLM needs kv_heads >= 1 and tokens >= 1, got ",
+                    kv_heads, " and ", tokens);
+    const auto n_kept = static_cast<Index>(budget.n_kept(tokens, "select"));
+    const Index sinks = std::min(params_.sinks, n_kept), recent = n_kept - sinks;
+    KeepFlags keep(static_cast<std::size_t>(kv_heads * tokens), 0);
+    for (Index h = 0; h < kv_heads; ++h)
+      for (Index j = 0; j < tokens; ++j)
+        keep[static_cast<std::size_t>(h * tokens + j)] = (j < sinks || j >= tokens - recent) ? 1 : 0;
+    return Selection::from_flags(keep, kv_heads, tokens);
+  }
+
+  /// Same as the scored policies' entry point; reads only keys [Hkv, L, d].
+  template <class S = float, class T>
+  Selection select(const LayerInputs<T>& in, const Budget& budget) const {
+    return select(in.keys.heads(), in.keys.rows(), budget);
+  }
+
+ private:
+  Params params_;
+};
+
+}  // namespace kvevict

@@ -1,0 +1,27 @@
+#pragma once
+/// Stage 2.5, uniform allocation (SnapKV, arXiv 2404.14469): every KV head keeps n_kept tokens.
+
+#include <vector>
+
+#include "kvevict/allocation/layer_budget.hpp"
+#include "kvevict/ranking/score_map.hpp"
+
+namespace kvevict {
+
+/// Uniform allocation: b_h = n_kept for every KV head. With the window in the window tier, each head keeps the
+/// window plus its top (n_kept - w) prefix tokens; with n_kept < w, its most recent n_kept window tokens.
+struct UniformAllocation {
+  struct Params {
+    void validate(const char* /*where*/) const {}
+  };
+  UniformAllocation() = default;
+  explicit UniformAllocation(const Params&) {}
+
+  /// Per-head budgets [kv_heads].
+  template <class S>
+  std::vector<Index> allocate(ScoreMap<S>& scores, const LayerBudget& budget) const {
+    return std::vector<Index>(static_cast<std::size_t>(scores.heads), static_cast<Index>(budget.n_kept));
+  }
+};
+
+}  // namespace kvevict

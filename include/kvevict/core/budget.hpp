@@ -1,0 +1,59 @@
+#pragma once
+/// Budgets (ALGORITHMS.md section 1): how many tokens each KV head keeps on average, window included.
+
+#include <cmath>
+#include <cstdint>
+
+#include "kvevict/core/error.hpp"
+#include "kvevict/core/views.hpp"
+
+namespace kvevict {
+
+/// A budget in one of three forms, resolved against the context length L by n_kept(L).
+///   Budget::tokens(n)            n_kept = n
+///   Budget::keep_ratio(r)        n_kept = int(L * r), in double, truncated toward zero
+///   Budget::compression_ratio(c) n_kept = int(L * (1 - c)), in double, truncated (the reference's rounding:
+///                                L = 1000, c = 0.8 gives 199, not 200)
+/// The result must lie in [1, L].
+class Budget {
+ public:
+  enum class Kind { tokens, keep_ratio, compression_ratio };
+
+  static Budget tokens(std::int64_t n) { return Budget(Kind::tokens, static_cast<double>(n), n); }
+  static Budget keep_ratio(double r) {
+    detail::require(std::isfinite(r) && r > 0.0 && r <= 1.0, "Budget", "keep ratio must be in (0, 1], got ", r);
+    return Budget(Kind::keep_ratio, r, 0);
+  }
+  static Budget compression_ratio(double c) {
+    detail::require(std::isfinite(c) && c >= 0.0 && c < 1.0, "Budget", "compression ratio must be in [0, 1), got ", c);
+    return Budget(Kind::compression_ratio, c, 0);
+  }
+
+  Kind kind() const { return kind_; }
+  /// The ratio (keep or compression) or the token count, as given.
+  double value() const { return value_; }
+
+  /// Tokens kept per KV head on average for a context of L tokens; throws unless 1 <= n_kept <= L.
+  std::int64_t n_kept(Index L, const char* where = "Budget") const {
+    std::int64_t n = tokens_;
+    if (kind_ == Kind::keep_ratio) n = static_cast<std::int64_t>(static_cast<double>(L) * value_);
+    if (kind_ == Kind::compression_ratio) n = static_cast<std::int64_t>(static_cast<double>(L) * (1.0 - value_));
+    detail::require(n >= 1 && n <= L, where, "n_kept must be in [1, ", L, "] (the context length), got ", n,
+                    describe());
+    return n;
+  }
+
+ private:
+  Budget(Kind kind, double value, std::int64_t tokens) : kind_(kind), value_(value), tokens_(tokens) {}
+  std::string describe() const {
+    if (kind_ == Kind::keep_ratio) return detail::concat(" from keep ratio ", value_);
+    if (kind_ == Kind::compression_ratio) return detail::concat(" from compression ratio ", value_);
+    return {};
+  }
+
+  Kind kind_;
+  double value_;
+  std::int64_t tokens_;
+};
+
+}  // namespace kvevict

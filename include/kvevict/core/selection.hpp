@@ -1,0 +1,128 @@
+#pragma once
+/// Selection: what one layer keeps, in the engine-friendly form of flash-attention's varlen API.
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "kvevict/core/error.hpp"
+#include "kvevict/core/views.hpp"
+
+namespace kvevict {
+
+/// Kept token indices of one layer, per KV head, sorted ascending, in one flat array:
+///   indices()  [sum of lengths]  head h's kept tokens are indices()[offsets()[h] .. offsets()[h+1])
+///   offsets()  [kv_heads + 1]    cu_seqlens-style prefix sums, offsets()[0] == 0
+class Selection {
+ public:
+  using index_type = std::int64_t;
+
+  /// Contiguous read-only range of one head's kept indices.
+  struct HeadIndices {
+    const index_type* first;
+    const index_type* last;
+    const index_type* begin() const { return first; }
+    const index_type* end() const { return last; }
+    Index size() const { return static_cast<Index>(last - first); }
+    index_type operator[](Index i) const { return first[i]; }
+  };
+
+  Selection() : offsets_(1, 0) {}
+  /// From per-head keep flags `keep` [kv_heads, tokens] (row-major, non-zero = kept).
+  /// O(kv_heads * tokens): a linear scan, so indices come out sorted without sorting.
+  template <class Flag>
+  static Selection from_flags(const std::vector<Flag>& keep, Index kv_heads, Index tokens) {
+    KVEVICT_ASSERT(static_cast<Index>(keep.size()) == kv_heads * tokens);
+    Selection s;
+    s.tokens_ = tokens;
+    s.offsets_.assign(static_cast<std::size_t>(kv_heads) + 1, 0);
+    for (Index h = 0; h < kv_heads; ++h) {
+      const Flag* row = keep.data() + h * tokens;
+      for (Index j = 0; j < tokens; ++j)
+        if (row[j]) s.indices_.push_back(j);
+      s.offsets_[static_cast<std::size_t>(h) + 1] = static_cast<index_type>(s.indices_.size());
+    }
+    return s;
+  }
+
+  Index heads() const { return static_cast<Index>(offsets_.size()) - 1; }
+  /// The context length L the selection was made over.
+  Index context_length() const { return tokens_; }
+  const std::vector<index_type>& indices() const { return indices_; }
+  const std::vector<index_type>& offsets() const { return offsets_; }
+  /// Total kept entries over all heads (sum of lengths).
+  Index total() const { return static_cast<Index>(indices_.size()); }
+
+  Index length(Index h) const {
+    check_head(h);
+    return static_cast<Index>(offsets_[idx(h) + 1] - offsets_[idx(h)]);
+  }
+  /// Per-head lengths [kv_heads].
+  std::vector<index_type> lengths() const {
+    std::vector<index_type> out(static_cast<std::size_t>(heads()));
+    for (Index h = 0; h < heads(); ++h) out[idx(h)] = offsets_[idx(h) + 1] - offsets_[idx(h)];
+    return out;
+  }
+  /// The longest head (the row capacity compact() needs in its destination).
+  Index max_length() const {
+    Index m = 0;
+    for (Index h = 0; h < heads(); ++h) m = std::max(m, length(h));
+    return m;
+  }
+  HeadIndices head(Index h) const {
+    check_head(h);
+    return {indices_.data() + offsets_[idx(h)], indices_.data() + offsets_[idx(h) + 1]};
+  }
+  /// Whether token j of head h is kept (binary search, O(log length)).
+  bool kept(Index h, Index j) const {
+    const HeadIndices r = head(h);
+    return std::binary_search(r.begin(), r.end(), static_cast<index_type>(j));
+  }
+  /// Dense keep mask [kv_heads, tokens].
+  Eigen::Array<bool, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> mask() const {
+    Eigen::Array<bool, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> m =
+        Eigen::Array<bool, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>::Constant(heads(), tokens_, false);
+    for (Index h = 0; h < heads(); ++h)
+      for (index_type j : head(h)) m(h, static_cast<Index>(j)) = true;
+    return m;
+  }
+
+  /// Gathers the kept rows of `src` [kv_heads, tokens, dim] into `dst` [kv_heads, capacity, dim]:
+  /// head h's kept rows land in dst rows [0, length(h)), in ascending token order; rows beyond are untouched.
+  /// In-place compaction (dst over the same storage and strides as src) is safe: kept index k >= output row k.
+  template <class TSrc, class TDst>
+  void compact(const HeadsView<TSrc>& src, const HeadsView<TDst>& dst) const {
+    static_assert(!std::is_const_v<TDst>, "compact: the destination view must be writable");
+    detail::require(src.heads() == heads(), "Selection::compact", "source heads (", src.heads(),
+                    ") must equal the selection's KV heads (", heads(), ")");
+    detail::require(src.rows() == tokens_, "Selection::compact", "source tokens (", src.rows(),
+                    ") must equal the selection's context length (", tokens_, ")");
+    detail::require(dst.heads() == heads(), "Selection::compact", "destination heads (", dst.heads(),
+                    ") must equal the selection's KV heads (", heads(), ")");
+    detail::require(dst.cols() == src.cols(), "Selection::compact", "destination head_dim (", dst.cols(),
+                    ") must equal the source head_dim (", src.cols(), ")");
+    detail::require(dst.rows() >= max_length(), "Selection::compact", "destination capacity (", dst.rows(),
+                    " rows) must hold the longest head (", max_length(), " rows)");
+    for (Index h = 0; h < heads(); ++h) {
+      Index out = 0;
+      for (index_type j : head(h)) {
+        const auto* from = src.row(h, static_cast<Index>(j));
+        auto* to = dst.row(h, out++);
+        if (static_cast<const void*>(from) != static_cast<const void*>(to)) std::copy(from, from + src.cols(), to);
+      }
+    }
+  }
+
+ private:
+  static std::size_t idx(Index h) { return static_cast<std::size_t>(h); }
+  void check_head(Index h) const {
+    detail::require(h >= 0 && h < heads(), "Selection", "head must be in [0, ", heads(), "), got ", h);
+  }
+
+  std::vector<index_type> indices_;
+  std::vector<index_type> offsets_;
+  Index tokens_ = 0;
+};
+
+}  // namespace kvevict

@@ -1,0 +1,77 @@
+#pragma once
+/// Stage 2.6/2.7: deterministic top-k over a ScoreMap in linear expected time (nth_element, no full sort).
+/// Order: tier descending, score descending, then the more recent token, then the lower KV head. It is a strict
+/// total order, so the kept set never depends on the algorithm, the platform or the thread count.
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "kvevict/ranking/score_map.hpp"
+
+namespace kvevict {
+
+/// Per-entry keep flags [kv_heads, tokens], row-major like ScoreMap.
+using KeepFlags = std::vector<std::uint8_t>;
+
+namespace detail {
+
+/// True when flat entry a ranks strictly before flat entry b.
+template <class S>
+struct RanksBefore {
+  const ScoreMap<S>* map;
+  bool operator()(std::size_t a, std::size_t b) const {
+    const Tier ta = map->tier[a], tb = map->tier[b];
+    if (ta != tb) return ta > tb;
+    const S sa = map->score[a], sb = map->score[b];
+    if (sa != sb) return sa > sb;
+    const Index L = map->tokens;
+    const Index ja = static_cast<Index>(a) % L, jb = static_cast<Index>(b) % L;
+    if (ja != jb) return ja > jb;
+    return a < b;  // same token: the lower head
+  }
+};
+
+/// Reorders `candidates` so that its first k entries are the top k (in no particular order among themselves).
+template <class S>
+void partition_top_k(const ScoreMap<S>& map, std::vector<std::size_t>& candidates, std::size_t k) {
+  KVEVICT_ASSERT(k <= candidates.size());
+  if (k == 0 || k == candidates.size()) return;
+  std::nth_element(candidates.begin(), candidates.begin() + static_cast<std::ptrdiff_t>(k - 1), candidates.end(),
+                   RanksBefore<S>{&map});
+}
+
+}  // namespace detail
+
+/// Flags the top `k` entries of head h in `keep` ([kv_heads, tokens]); other heads' flags are untouched.
+template <class S>
+void top_k_of_head(const ScoreMap<S>& map, Index h, Index k, KeepFlags& keep) {
+  KVEVICT_ASSERT(k >= 0 && k <= map.tokens && keep.size() == map.score.size());
+  std::vector<std::size_t> cand(static_cast<std::size_t>(map.tokens));
+  for (Index j = 0; j < map.tokens; ++j) cand[static_cast<std::size_t>(j)] = map.flat(h, j);
+  detail::partition_top_k(map, cand, static_cast<std::size_t>(k));
+  for (std::size_t i = 0; i < static_cast<std::size_t>(k); ++i) keep[cand[i]] = 1;
+}
+
+/// Top `k` entries over the whole layer [kv_heads * tokens]; returns how many each head got [kv_heads].
+/// Only entries accepted by `eligible(flat index)` compete.
+template <class S, class Pred>
+std::vector<Index> top_k_counts(const ScoreMap<S>& map, Index k, Pred eligible) {
+  std::vector<std::size_t> cand;
+  cand.reserve(map.score.size());
+  for (std::size_t f = 0; f < map.score.size(); ++f)
+    if (eligible(f)) cand.push_back(f);
+  KVEVICT_ASSERT(k >= 0 && static_cast<std::size_t>(k) <= cand.size());
+  detail::partition_top_k(map, cand, static_cast<std::size_t>(k));
+  std::vector<Index> counts(static_cast<std::size_t>(map.heads), 0);
+  for (std::size_t i = 0; i < static_cast<std::size_t>(k); ++i)
+    ++counts[cand[i] / static_cast<std::size_t>(map.tokens)];
+  return counts;
+}
+
+template <class S>
+std::vector<Index> top_k_counts(const ScoreMap<S>& map, Index k) {
+  return top_k_counts(map, k, [](std::size_t) { return true; });
+}
+
+}  // namespace kvevict

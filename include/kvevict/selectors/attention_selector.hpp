@@ -1,0 +1,42 @@
+#pragma once
+/// The default selector (SnapKV, AdaKV): mean-aggregated window attention, window kept first.
+
+#include <vector>
+
+#include "kvevict/aggregation/mean.hpp"
+#include "kvevict/allocation/layer_budget.hpp"
+#include "kvevict/observation/window_attention.hpp"
+#include "kvevict/selectors/selector.hpp"
+
+namespace kvevict {
+
+/// Scores prefix token j of KV head h by s[h][j] (ALGORITHMS.md 2.3, mean); the window ranks above every prefix
+/// token; each head keeps its top budgets[h].
+struct AttentionSelector {
+  struct Params {
+    void validate(const char* /*where*/) const {}
+  };
+  template <class S>
+  struct Layer {
+    ScoreMap<S> allocation;
+  };
+
+  AttentionSelector() = default;
+  explicit AttentionSelector(const Params&) {}
+
+  template <class S, class T>
+  Layer<S> score(const LayerInputs<T>& in, const LayerShape& shape, const CommonParams& common,
+                 const LayerBudget& /*budget*/) const {
+    const WindowObservation<S, T> obs(in, shape);
+    Layer<S> layer{ScoreMap<S>::with_window(mean_scores(obs, common.kernel, common.pooling), shape.window)};
+    layer.allocation.require_finite("select");
+    return layer;
+  }
+
+  template <class S>
+  void select(const Layer<S>& layer, const std::vector<Index>& budgets, KeepFlags& keep) const {
+    select_top_per_head(layer.allocation, budgets, keep);
+  }
+};
+
+}  // namespace kvevict

@@ -1,0 +1,50 @@
+#pragma once
+/// The Selector extension point: how a policy scores a layer and picks each head's tokens once the base
+/// allocation has fixed the per-head budgets. CriticalKV and DefensiveKV plug in here; allocators never change.
+///
+/// A Selector type provides
+///   struct Params { ...; void validate(const char* where) const; };
+///   explicit Selector(const Params&);
+///   template <class S> struct Layer { ScoreMap<S> allocation; ... };  // state between the two phases
+///   template <class S, class T>
+///   Layer<S> score(const LayerInputs<T>&, const LayerShape&, const CommonParams&, const LayerBudget&) const;
+///       scoring phase: observation, aggregation, value term, forcing; fills `allocation`, the ranking the base
+///       allocation uses (the allocator may promote entries of it, e.g. AdaKV's safeguard)
+///   template <class S>
+///   void select(const Layer<S>&, const std::vector<Index>& budgets, KeepFlags& keep) const;
+///       selection phase: flags exactly budgets[h] tokens of every KV head h in keep [kv_heads, tokens]
+/// Scoring and selection are separate so that a layer-global allocator can score every layer first, allocate
+/// across layers, then select (plan, then apply).
+
+#include <vector>
+
+#include "kvevict/aggregation/pooling.hpp"
+#include "kvevict/core/error.hpp"
+#include "kvevict/core/views.hpp"
+#include "kvevict/ranking/topk.hpp"
+
+namespace kvevict {
+
+/// Parameters every scored policy has (ALGORITHMS.md 2.1-2.2 defaults of the kvpress family).
+struct CommonParams {
+  Index window = 32;               ///< w, the observation window (the last w prompt positions)
+  Pooling pooling = Pooling::avg;  ///< smoothing along tokens (SnapKV's LongBench setting: max, kernel 7)
+  Index kernel = 5;                ///< pooling kernel, odd
+  bool reference_quirks = false;   ///< reproduce the reference code's quirks (ALGORITHMS.md 2.6)
+
+  void validate(const char* where) const {
+    detail::require(window >= 1, where, "window must be >= 1, got ", window);
+    detail::require(kernel >= 1 && kernel % 2 == 1, where, "kernel must be an odd number >= 1, got ", kernel);
+  }
+};
+
+/// Selection phase shared by selectors whose final choice is the allocation ranking itself: each head keeps its
+/// top budgets[h] entries of `map` (which, for a flat top-k allocation, is exactly that head's share of it).
+template <class S>
+void select_top_per_head(const ScoreMap<S>& map, const std::vector<Index>& budgets, KeepFlags& keep) {
+  KVEVICT_ASSERT(static_cast<Index>(budgets.size()) == map.heads);
+  keep.assign(map.score.size(), 0);
+  for (Index h = 0; h < map.heads; ++h) top_k_of_head(map, h, budgets[static_cast<std::size_t>(h)], keep);
+}
+
+}  // namespace kvevict
