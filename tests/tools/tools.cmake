@@ -1,0 +1,10 @@
+# kvevict-select end to end: float64 agreement with the reference, every dtype, every bad-input path.
+if(TARGET kvevict-select)
+  find_package(nlohmann_json 3 REQUIRED)
+  add_executable(kvevict_cli_tests ${CMAKE_CURRENT_LIST_DIR}/test_select_cli.cpp ${CMAKE_CURRENT_LIST_DIR}/../main.cpp)
+  target_include_directories(kvevict_cli_tests PRIVATE ${PROJECT_SOURCE_DIR}/tests ${PROJECT_SOURCE_DIR}/tools)
+  target_link_libraries(kvevict_cli_tests PRIVATE kvevict::kvevict nlohmann_json::nlohmann_json Catch2::Catch2 kvevict_warnings)
+  target_compile_definitions(kvevict_cli_tests PRIVATE KVEVICT_SELECT_PATH="$<TARGET_FILE:kvevict-select>")
+  add_dependencies(kvevict_cli_tests kvevict-select)
+  catch_discover_tests(kvevict_cli_tests TEST_PREFIX "cli.")
+endif()

@@ -1,0 +1,155 @@
+// kvevict-select: runs a kvevict policy on tensors dumped from an engine (safetensors in, safetensors out).
+//
+//   kvevict-select --policy snapkv --keep 0.2 dump.safetensors selection.safetensors
+//
+// Input, per layer i (layers 0 .. NL-1):
+//   layers.{i}.q_window [H, w, d]  or  layers.{i}.window_attention [H, w, L]  (full softmax rows)
+//   layers.{i}.keys [Hkv, L, d], layers.{i}.values [Hkv, L, d] (optional for attention-only policies),
+//   layers.{i}.w_o [D, H*d] (value-aware policies only)
+//   dtypes F64, F32, F16, BF16.
+// Output, per layer: layers.{i}.kept_indices I64 (heads concatenated, each ascending),
+//                    layers.{i}.kept_offsets I64 [Hkv + 1].
+// Any bad input: one line on stderr starting with "kvevict-select:" and exit status 1 (2 for usage errors).
+
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kvevict/kvevict.hpp"
+#include "safetensors.hpp"
+#include "select_options.hpp"
+
+namespace {
+
+namespace st = kvevict::safetensors;
+using kvevict::Index;
+using kvevict::tools::Options;
+
+struct usage_error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+struct input_error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// Number of layers: layers.{i}.keys must exist for i = 0 .. NL-1 and for no other i.
+Index count_layers(const st::file& in) {
+  Index n = 0;
+  while (in.find("layers." + std::to_string(n) + ".keys")) ++n;
+  if (n == 0) throw input_error("no tensor 'layers.0.keys' in the input; expected layers.{i}.keys [kv_heads, tokens, head_dim]");
+  for (const auto& t : in.tensors()) {
+    const std::string& name = t.name;
+    if (name.rfind("layers.", 0) != 0) continue;
+    const auto dot = name.find('.', 7);
+    const std::string idx = name.substr(7, dot == std::string::npos ? std::string::npos : dot - 7);
+    char* end = nullptr;
+    const long long i = std::strtoll(idx.c_str(), &end, 10);
+    if (idx.empty() || *end != '\0' || i < 0 || i >= n)
+      throw input_error("tensor '" + name + "' does not belong to a layer 0.." + std::to_string(n - 1) +
+                        " (layers must be numbered contiguously from 0, each with a 'keys' tensor)");
+  }
+  return n;
+}
+
+/// A floating tensor of the given rank, converted to S, with its shape.
+template <class S>
+struct Loaded {
+  std::vector<S> data;
+  std::vector<std::int64_t> shape;
+};
+
+template <class S>
+std::optional<Loaded<S>> load(const st::file& in, const std::string& name, std::size_t rank, const char* dims) {
+  const st::tensor_info* t = in.find(name);
+  if (!t) return std::nullopt;
+  if (t->type != st::dtype::F64 && t->type != st::dtype::F32 && t->type != st::dtype::F16 && t->type != st::dtype::BF16)
+    throw input_error("tensor '" + name + "' has dtype " + st::dtype_name(t->type) + "; expected F64, F32, F16 or BF16");
+  if (t->shape.size() != rank)
+    throw input_error("tensor '" + name + "' has rank " + std::to_string(t->shape.size()) + "; expected rank " +
+                      std::to_string(rank) + " " + dims);
+  for (std::int64_t e : t->shape)
+    if (e == 0) throw input_error("tensor '" + name + "' is empty; expected " + dims + " with no zero extent");
+  return Loaded<S>{in.read_floats<S>(*t), t->shape};
+}
+
+std::string shape_str(const std::vector<std::int64_t>& s) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+template <class S>
+kvevict::Selection select_layer(const Options& opt, const st::file& in, Index layer) {
+  const std::string prefix = "layers." + std::to_string(layer) + ".";
+  auto keys = load<S>(in, prefix + "keys", 3, "[kv_heads, tokens, head_dim]");
+  auto values = load<S>(in, prefix + "values", 3, "[kv_heads, tokens, head_dim]");
+  auto queries = load<S>(in, prefix + "q_window", 3, "[heads, window, head_dim]");
+  auto attention = load<S>(in, prefix + "window_attention", 3, "[heads, window, tokens]");
+  const Index Hkv = keys->shape[0], L = keys->shape[1], d = keys->shape[2];
+
+  kvevict::LayerInputs<S> li;
+  li.keys = kvevict::kv_heads_major<const S>(keys->data.data(), Hkv, L, d);
+  if (values) li.values = kvevict::kv_heads_major<const S>(values->data.data(), values->shape[0], values->shape[1], values->shape[2]);
+  if (values && (values->shape[0] != Hkv || values->shape[1] != L))
+    throw input_error("tensor '" + prefix + "values' has shape " + shape_str(values->shape) +
+                      "; expected the keys' [kv_heads, tokens] = [" + std::to_string(Hkv) + ", " + std::to_string(L) + ", head_dim]");
+  if (queries && attention)
+    throw input_error("layer " + std::to_string(layer) + " has both 'q_window' and 'window_attention'; expected exactly one");
+  if (!queries && !attention && opt.policy != "streamingllm")
+    throw input_error("missing tensor '" + prefix + "q_window' [heads, window, head_dim] (or '" + prefix +
+                      "window_attention' [heads, window, tokens])");
+  const Loaded<S>* obs = queries ? &*queries : attention ? &*attention : nullptr;
+  if (obs) {
+    auto view = kvevict::HeadsView<const S>::heads_major(obs->data.data(), obs->shape[0], obs->shape[1], obs->shape[2]);
+    (queries ? li.queries : li.attention) = view;
+  }
+  Index window = opt.window.value_or(obs ? obs->shape[1] : 0);
+  if (obs && window != obs->shape[1])
+    throw input_error("--window " + std::to_string(window) + " does not match the " + std::to_string(obs->shape[1]) +
+                      " window rows of '" + prefix + (queries ? "q_window'" : "window_attention'"));
+  return kvevict::tools::run_policy<S>(opt, li, window);
+}
+
+template <class S>
+int run(const Options& opt) {
+  const st::file in = st::file::open(opt.input);
+  const Index layers = count_layers(in);
+  std::vector<st::tensor_out> out;
+  for (Index i = 0; i < layers; ++i) {
+    kvevict::Selection sel;
+    try {
+      sel = select_layer<S>(opt, in, i);
+    } catch (const kvevict::invalid_argument& e) {
+      throw input_error("layer " + std::to_string(i) + ": " + e.what());
+    }
+    const std::string prefix = "layers." + std::to_string(i) + ".";
+    out.push_back(st::make_tensor_i64(prefix + "kept_indices", {sel.total()}, sel.indices()));
+    out.push_back(st::make_tensor_i64(prefix + "kept_offsets", {sel.heads() + 1}, sel.offsets()));
+  }
+  st::write(opt.output, out, opt.metadata());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const std::optional<Options> opt = kvevict::tools::parse_options(argc, argv);
+    if (!opt) return 0;  // --help
+    return opt->precision == "f64" ? run<double>(*opt) : run<float>(*opt);
+  } catch (const kvevict::tools::usage_error& e) {
+    std::cerr << "kvevict-select: " << e.what() << " (see --help)\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "kvevict-select: " << e.what() << '\n';
+    return 1;
+  } catch (...) {
+    std::cerr << "kvevict-select: unknown error\n";
+    return 1;
+  }
+}
