@@ -12,19 +12,28 @@
 
 #include "kvevict/observation/window_attention.hpp"
 
+#include "kvevict/aggregation/defensive.hpp"
 #include "kvevict/aggregation/mean.hpp"
 #include "kvevict/aggregation/pooling.hpp"
 
 #include "kvevict/allocation/head_adaptive.hpp"
 #include "kvevict/allocation/layer_budget.hpp"
+#include "kvevict/allocation/layer_global.hpp"
 #include "kvevict/allocation/streaming.hpp"
 #include "kvevict/allocation/uniform.hpp"
+
+#include "kvevict/value/value_norm.hpp"
+
+#include "kvevict/forcing/mass_forcing.hpp"
 
 #include "kvevict/ranking/score_map.hpp"
 #include "kvevict/ranking/topk.hpp"
 
 #include "kvevict/selectors/attention_selector.hpp"
+#include "kvevict/selectors/critical_selector.hpp"
+#include "kvevict/selectors/defensive_selector.hpp"
 #include "kvevict/selectors/selector.hpp"
 
+#include "kvevict/policy/layer_global_policy.hpp"
 #include "kvevict/policy/policy.hpp"
 #include "kvevict/policy/presets.hpp"

@@ -8,20 +8,38 @@
 
 namespace kvevict {
 
-/// Scores [Hkv, P] of the prefix tokens: s_q = mean_i A[q][i, :P]; s_q = pool(s_q); s[h] = mean over the G query
-/// heads of group h. Streams over query heads (extra memory O(w L + P)).
+/// Accumulates scores [Hkv, P] of the prefix tokens one query head at a time:
+///   s_q = mean_i A[q][i, :P]; s_q = pool(s_q); s[h] = mean over the G query heads of group h.
+template <class S>
+class MeanAggregator {
+ public:
+  MeanAggregator(const LayerShape& shape, Index kernel, Pooling pooling)
+      : shape_(shape), kernel_(kernel), pooling_(pooling), scores_(RowMatrix<S>::Zero(shape.kv_heads, shape.prefix)),
+        row_mean_(shape.prefix), pooled_(shape.prefix) {}
+
+  /// rows [w, L]: the softmax rows of query head q.
+  void add(Index q, const RowMatrix<S>& rows) {
+    row_mean_.noalias() = rows.leftCols(shape_.prefix).colwise().sum() / static_cast<S>(shape_.window);
+    pool1d(row_mean_.data(), shape_.prefix, kernel_, pooling_, pooled_.data());
+    scores_.row(q / shape_.group) += pooled_;
+  }
+  /// Scores [Hkv, P] once every query head was added.
+  RowMatrix<S> finish() { return scores_ / static_cast<S>(shape_.group); }
+
+ private:
+  LayerShape shape_;
+  Index kernel_;
+  Pooling pooling_;
+  RowMatrix<S> scores_;
+  Eigen::Matrix<S, 1, Eigen::Dynamic> row_mean_, pooled_;
+};
+
+/// Mean-aggregated scores [Hkv, P] of a layer (streams over query heads: extra memory O(w L + P)).
 template <class S, class T>
 RowMatrix<S> mean_scores(const WindowObservation<S, T>& obs, Index kernel, Pooling pooling) {
-  const LayerShape& s = obs.shape();
-  RowMatrix<S> scores = RowMatrix<S>::Zero(s.kv_heads, s.prefix);
-  Eigen::Matrix<S, 1, Eigen::Dynamic> row_mean(s.prefix), pooled(s.prefix);
-  obs.for_each_head([&](Index q, const RowMatrix<S>& rows) {
-    row_mean.noalias() = rows.leftCols(s.prefix).colwise().sum() / static_cast<S>(s.window);
-    pool1d(row_mean.data(), s.prefix, kernel, pooling, pooled.data());
-    scores.row(q / s.group) += pooled;
-  });
-  scores /= static_cast<S>(s.group);
-  return scores;
+  MeanAggregator<S> agg(obs.shape(), kernel, pooling);
+  obs.for_each_head([&](Index q, const RowMatrix<S>& rows) { agg.add(q, rows); });
+  return agg.finish();
 }
 
 }  // namespace kvevict

@@ -2,17 +2,32 @@
 /// What an allocator distributes for one layer.
 
 #include <cstdint>
+#include <limits>
 
+#include "kvevict/core/budget.hpp"
+#include "kvevict/core/inputs.hpp"
 #include "kvevict/core/views.hpp"
 
 namespace kvevict {
 
-/// n_kept per KV head on average (window included), the layer total to distribute (Hkv * n_kept unless a
-/// reference quirk says otherwise) and the window size.
+/// n_kept per KV head on average (window included), the total to distribute (Hkv * n_kept per layer unless a
+/// reference quirk says otherwise), the window size, and the compression ratio when the budget was given as one
+/// (NaN otherwise; only the reference quirks' formulas read it).
 struct LayerBudget {
   std::int64_t n_kept = 0;
   Index total = 0;
   Index window = 0;
+  double compression_ratio = std::numeric_limits<double>::quiet_NaN();
 };
+
+/// The budget of one layer of `shape`: n_kept from `budget` (throws unless 1 <= n_kept <= L), total Hkv * n_kept.
+inline LayerBudget layer_budget(const LayerShape& shape, const Budget& budget) {
+  LayerBudget b;
+  b.n_kept = budget.n_kept(shape.tokens, "select");
+  b.total = shape.kv_heads * static_cast<Index>(b.n_kept);
+  b.window = shape.window;
+  if (budget.kind() == Budget::Kind::compression_ratio) b.compression_ratio = budget.value();
+  return b;
+}
 
 }  // namespace kvevict

@@ -14,12 +14,15 @@ namespace kvevict {
 ///   attention [H, w, L]         full softmax rows of those queries (engines with eager attention)
 ///   keys      [Hkv, L, head_dim] post-RoPE keys, either KV layout (see KVView)
 ///   values    [Hkv, L, head_dim] values (only value-aware selectors read them; may be empty otherwise)
+///   w_o       [H, D, head_dim]  the output projection W_o [D, H * head_dim] seen per query head (build it with
+///                               output_projection(); only value-aware selectors read it)
 template <class T>
 struct LayerInputs {
   HeadsView<const T> queries;
   HeadsView<const T> attention;
   KVView<const T> keys;
   KVView<const T> values;
+  HeadsView<const T> w_o;
 };
 
 /// The dimensions of one layer after validation.

@@ -11,6 +11,23 @@
 
 namespace kvevict {
 
+namespace detail {
+
+/// Throws kvevict::invalid_argument naming the first NaN or Inf entry of `v` ([heads, rows, cols]).
+template <class T>
+void require_finite(const HeadsView<const T>& v, const char* where, const char* name) {
+  for (Index h = 0; h < v.heads(); ++h) {
+    if (v.head(h).allFinite()) continue;
+    for (Index r = 0; r < v.rows(); ++r)
+      for (Index c = 0; c < v.cols(); ++c)
+        if (!std::isfinite(v.row(h, r)[c]))
+          throw invalid_argument(concat("kvevict::", where, ": ", name, "[", h, ", ", r, ", ", c, "] is not finite (",
+                                        v.row(h, r)[c], "); the inputs contain NaN or Inf values"));
+  }
+}
+
+}  // namespace detail
+
 /// Window attention of query head q: `rows` [w, L] receives softmax(Q_win[q] K[q/G]^T / sqrt(d)) with the causal
 /// mask inside the window (row i, at absolute position L-w+i, sees keys j <= L-w+i; masked entries are 0).
 /// S is the arithmetic type (float or wider), T the storage type.
@@ -43,7 +60,18 @@ void window_attention(const HeadsView<const T>& queries, const KVView<const T>& 
 template <class S, class T>
 class WindowObservation {
  public:
-  WindowObservation(const LayerInputs<T>& in, const LayerShape& shape) : in_(in), shape_(shape) {}
+  /// Throws kvevict::invalid_argument if the tensors it reads (queries and keys, or attention) hold NaN or Inf:
+  /// a non-finite input can vanish in the softmax (a -Inf logit) or behind a max pooling, so scores alone cannot
+  /// be trusted to reveal it. O(size of those tensors), once.
+  WindowObservation(const LayerInputs<T>& in, const LayerShape& shape)
+      : in_(in), shape_(shape), from_queries_(in.queries.heads() * in.queries.rows() * in.queries.cols() > 0) {
+    if (from_queries_) {
+      detail::require_finite(in_.queries, "select", "queries");
+      detail::require_finite(in_.keys, "select", "keys");
+    } else {
+      detail::require_finite(in_.attention, "select", "attention");
+    }
+  }
 
   const LayerShape& shape() const { return shape_; }
 
@@ -59,7 +87,7 @@ class WindowObservation {
 
   /// Rows [w, L] of query head q.
   void head_rows(Index q, RowMatrix<S>& rows) const {
-    if (in_.queries.heads() > 0) {
+    if (from_queries_) {  // the same rule as validate_inputs: a view with a zero extent is not given
       window_attention<S, T>(in_.queries, in_.keys, q, shape_.group, rows);
     } else if constexpr (std::is_same_v<S, T>) {
       rows = in_.attention.head(q);
@@ -71,6 +99,7 @@ class WindowObservation {
  private:
   const LayerInputs<T>& in_;
   LayerShape shape_;
+  bool from_queries_;
 };
 
 }  // namespace kvevict

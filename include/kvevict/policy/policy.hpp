@@ -61,20 +61,18 @@ class Policy {
   template <class S = float, class T>
   Selection select(const LayerInputs<T>& in, const Budget& budget) const {
     const LayerShape shape = detail::validate_inputs(in, params_.window, "select");
-    const LayerBudget layer_budget = budget_of(shape, budget);
-    auto layer = selector_.template score<S>(in, shape, static_cast<const CommonParams&>(params_), layer_budget);
-    const std::vector<Index> budgets = allocation_.allocate(layer.allocation, layer_budget);
+    const LayerBudget layer = budget_of(shape, budget);
+    auto scored = selector_.template score<S>(in, shape, static_cast<const CommonParams&>(params_), layer);
+    const std::vector<Index> budgets = allocation_.allocate(scored.allocation, layer);
     KeepFlags keep;
-    selector_.select(layer, budgets, keep);
+    selector_.select(scored, budgets, keep);
     return Selection::from_flags(keep, shape.kv_heads, shape.tokens);
   }
 
  private:
-  static LayerBudget budget_of(const LayerShape& shape, const Budget& budget) {
-    LayerBudget b;
-    b.n_kept = budget.n_kept(shape.tokens, "select");
-    b.total = shape.kv_heads * static_cast<Index>(b.n_kept);
-    b.window = shape.window;
+  LayerBudget budget_of(const LayerShape& shape, const Budget& budget) const {
+    LayerBudget b = layer_budget(shape, budget);
+    selector_.adjust_budget(b, shape, params_);
     return b;
   }
 

@@ -43,12 +43,16 @@ void partition_top_k(const ScoreMap<S>& map, std::vector<std::size_t>& candidate
 
 }  // namespace detail
 
-/// Flags the top `k` entries of head h in `keep` ([kv_heads, tokens]); other heads' flags are untouched.
+/// Flags the top `k` entries of head h in `keep` ([kv_heads, tokens]) among those not flagged yet (so a second
+/// call adds the next best); other heads' flags are untouched.
 template <class S>
 void top_k_of_head(const ScoreMap<S>& map, Index h, Index k, KeepFlags& keep) {
-  KVEVICT_ASSERT(k >= 0 && k <= map.tokens && keep.size() == map.score.size());
-  std::vector<std::size_t> cand(static_cast<std::size_t>(map.tokens));
-  for (Index j = 0; j < map.tokens; ++j) cand[static_cast<std::size_t>(j)] = map.flat(h, j);
+  KVEVICT_ASSERT(k >= 0 && keep.size() == map.score.size());
+  std::vector<std::size_t> cand;
+  cand.reserve(static_cast<std::size_t>(map.tokens));
+  for (Index j = 0; j < map.tokens; ++j)
+    if (!keep[map.flat(h, j)]) cand.push_back(map.flat(h, j));
+  KVEVICT_ASSERT(static_cast<std::size_t>(k) <= cand.size());
   detail::partition_top_k(map, cand, static_cast<std::size_t>(k));
   for (std::size_t i = 0; i < static_cast<std::size_t>(k); ++i) keep[cand[i]] = 1;
 }

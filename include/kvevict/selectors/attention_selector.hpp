@@ -24,11 +24,14 @@ struct AttentionSelector {
   AttentionSelector() = default;
   explicit AttentionSelector(const Params&) {}
 
+  void adjust_budget(LayerBudget& /*budget*/, const LayerShape& /*shape*/, const CommonParams& /*common*/) const {}
+
   template <class S, class T>
   Layer<S> score(const LayerInputs<T>& in, const LayerShape& shape, const CommonParams& common,
                  const LayerBudget& /*budget*/) const {
     const WindowObservation<S, T> obs(in, shape);
-    Layer<S> layer{ScoreMap<S>::with_window(mean_scores(obs, common.kernel, common.pooling), shape.window)};
+    Layer<S> layer{scores_with_window(mean_scores(obs, common.kernel, common.pooling), shape.window,
+                                      common.reference_quirks)};
     layer.allocation.require_finite("select");
     return layer;
   }

@@ -6,6 +6,8 @@
 ///   struct Params { ...; void validate(const char* where) const; };
 ///   explicit Selector(const Params&);
 ///   template <class S> struct Layer { ScoreMap<S> allocation; ... };  // state between the two phases
+///   void adjust_budget(LayerBudget&, const LayerShape&, const CommonParams&) const;
+///       may change the layer total (reference quirks of the flat top-k totals)
 ///   template <class S, class T>
 ///   Layer<S> score(const LayerInputs<T>&, const LayerShape&, const CommonParams&, const LayerBudget&) const;
 ///       scoring phase: observation, aggregation, value term, forcing; fills `allocation`, the ranking the base
@@ -16,9 +18,11 @@
 /// Scoring and selection are separate so that a layer-global allocator can score every layer first, allocate
 /// across layers, then select (plan, then apply).
 
+#include <cmath>
 #include <vector>
 
 #include "kvevict/aggregation/pooling.hpp"
+#include "kvevict/allocation/layer_budget.hpp"
 #include "kvevict/core/error.hpp"
 #include "kvevict/core/views.hpp"
 #include "kvevict/ranking/topk.hpp"
@@ -38,6 +42,23 @@ struct CommonParams {
   }
 };
 
+/// Prefix scores [Hkv, P] followed by the window. By default the window is its own tier, above every prefix token.
+/// Under reference_quirks it carries the maximum of the whole layer's prefix scores, as the reference pads it:
+/// the same ranking inside a layer (exact ties go to the more recent token), but it can lose a layer-global top-k.
+template <class S>
+ScoreMap<S> scores_with_window(const RowMatrix<S>& prefix_scores, Index window, bool reference_quirks) {
+  ScoreMap<S> m = ScoreMap<S>::with_window(prefix_scores, window);
+  if (reference_quirks) {
+    const S layer_max = prefix_scores.size() > 0 ? prefix_scores.maxCoeff() : S(0);
+    for (Index h = 0; h < m.heads; ++h)
+      for (Index j = prefix_scores.cols(); j < m.tokens; ++j) {
+        m.tier[m.flat(h, j)] = Tier::scored;
+        m.at(h, j) = layer_max;
+      }
+  }
+  return m;
+}
+
 /// Selection phase shared by selectors whose final choice is the allocation ranking itself: each head keeps its
 /// top budgets[h] entries of `map` (which, for a flat top-k allocation, is exactly that head's share of it).
 template <class S>
@@ -46,5 +67,15 @@ void select_top_per_head(const ScoreMap<S>& map, const std::vector<Index>& budge
   keep.assign(map.score.size(), 0);
   for (Index h = 0; h < map.heads; ++h) top_k_of_head(map, h, budgets[static_cast<std::size_t>(h)], keep);
 }
+
+namespace detail {
+/// The compression ratio a reference quirk's formula needs; throws when the budget was given another way.
+inline double quirk_compression_ratio(const LayerBudget& b, const char* where) {
+  require(!std::isnan(b.compression_ratio), where,
+          "reference_quirks needs the budget as a compression ratio (Budget::compression_ratio), since the "
+          "reference's formulas use it");
+  return b.compression_ratio;
+}
+}  // namespace detail
 
 }  // namespace kvevict

@@ -1,0 +1,59 @@
+#pragma once
+/// Stage 2.3, defensive aggregation (DefensiveKV, arXiv 2510.13334): worst case over window queries and the GQA
+/// group instead of the mean, with an adaptive prior floor.
+
+#include "kvevict/aggregation/pooling.hpp"
+#include "kvevict/observation/window_attention.hpp"
+
+namespace kvevict {
+
+/// Accumulates M [Hkv, P] one query head at a time:
+///   R[q][i, :] = pool(A[q][i, :P]) * sum(A[q][i, :P]) / sum(pool(A[q][i, :P]))   (pooled, mass renormalised;
+///                a row with no pooled mass stays 0)
+///   M[h][j]   = max over the G query heads of h and the w rows of R[q][i, j]
+///   floor:      M[h][j] = max(M[h][j], mean_j M[h][j])   (skipped when `floor` is false, for ablations)
+template <class S>
+class DefensiveAggregator {
+ public:
+  DefensiveAggregator(const LayerShape& shape, Index kernel, Pooling pooling, bool floor)
+      : shape_(shape), kernel_(kernel), pooling_(pooling), floor_(floor),
+        scores_(RowMatrix<S>::Zero(shape.kv_heads, shape.prefix)),  // attention >= 0: 0 is the identity of max
+        pooled_(shape.prefix) {}
+
+  void add(Index q, const RowMatrix<S>& rows) {
+    auto out = scores_.row(q / shape_.group);
+    for (Index i = 0; i < shape_.window; ++i) {
+      const auto a = rows.row(i).head(shape_.prefix);
+      pool1d(a.data(), shape_.prefix, kernel_, pooling_, pooled_.data());
+      const S pooled_mass = pooled_.sum();
+      if (pooled_mass > S(0)) pooled_ *= a.sum() / pooled_mass;
+      out = out.cwiseMax(pooled_);
+    }
+  }
+  RowMatrix<S> finish() {
+    if (floor_)
+      for (Index h = 0; h < shape_.kv_heads; ++h) {
+        const S mean = scores_.row(h).mean();
+        scores_.row(h) = scores_.row(h).cwiseMax(mean);
+      }
+    return scores_;
+  }
+
+ private:
+  LayerShape shape_;
+  Index kernel_;
+  Pooling pooling_;
+  bool floor_;
+  RowMatrix<S> scores_;
+  Eigen::Matrix<S, 1, Eigen::Dynamic> pooled_;
+};
+
+/// Defensive scores [Hkv, P] of a layer (streams over query heads).
+template <class S, class T>
+RowMatrix<S> defensive_scores(const WindowObservation<S, T>& obs, Index kernel, Pooling pooling, bool floor) {
+  DefensiveAggregator<S> agg(obs.shape(), kernel, pooling, floor);
+  obs.for_each_head([&](Index q, const RowMatrix<S>& rows) { agg.add(q, rows); });
+  return agg.finish();
+}
+
+}  // namespace kvevict

@@ -1,0 +1,50 @@
+#pragma once
+/// Stage 2.5, layer-global allocation (Layer-DefensiveKV, arXiv 2510.13334): one top-k over the scores of every
+/// layer of the model decides how many tokens each (layer, KV head) keeps. Needs all layers' scores first.
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "kvevict/ranking/score_map.hpp"
+
+namespace kvevict {
+
+/// Per-(layer, KV head) budgets from one top-k of `total` entries over all layers' maps. Order: entries above the
+/// scored tier first (forced and window tokens: +infinity, always kept while they fit), then score descending, then
+/// the more recent token, the lower layer, the lower KV head (ALGORITHMS.md 2.7). Linear expected time.
+template <class S>
+std::vector<std::vector<Index>> allocate_layer_global(const std::vector<const ScoreMap<S>*>& layers, Index total) {
+  struct Entry {
+    std::uint32_t layer;
+    std::size_t flat;
+  };
+  std::vector<Entry> cand;
+  std::size_t size = 0;
+  for (const ScoreMap<S>* m : layers) size += m->score.size();
+  cand.reserve(size);
+  for (std::size_t l = 0; l < layers.size(); ++l)
+    for (std::size_t f = 0; f < layers[l]->score.size(); ++f) cand.push_back({static_cast<std::uint32_t>(l), f});
+  KVEVICT_ASSERT(total >= 0 && static_cast<std::size_t>(total) <= cand.size());
+  auto ranks_before = [&](const Entry& a, const Entry& b) {
+    const ScoreMap<S>& ma = *layers[a.layer];
+    const ScoreMap<S>& mb = *layers[b.layer];
+    const bool pa = ma.tier[a.flat] != Tier::scored, pb = mb.tier[b.flat] != Tier::scored;
+    if (pa != pb) return pa;
+    if (!pa && ma.score[a.flat] != mb.score[b.flat]) return ma.score[a.flat] > mb.score[b.flat];
+    const Index ja = static_cast<Index>(a.flat) % ma.tokens, jb = static_cast<Index>(b.flat) % mb.tokens;
+    if (ja != jb) return ja > jb;
+    if (a.layer != b.layer) return a.layer < b.layer;
+    return a.flat < b.flat;
+  };
+  const auto k = static_cast<std::size_t>(total);
+  if (k > 0 && k < cand.size())
+    std::nth_element(cand.begin(), cand.begin() + static_cast<std::ptrdiff_t>(k - 1), cand.end(), ranks_before);
+  std::vector<std::vector<Index>> budgets(layers.size());
+  for (std::size_t l = 0; l < layers.size(); ++l) budgets[l].assign(static_cast<std::size_t>(layers[l]->heads), 0);
+  for (std::size_t i = 0; i < k; ++i)
+    ++budgets[cand[i].layer][cand[i].flat / static_cast<std::size_t>(layers[cand[i].layer]->tokens)];
+  return budgets;
+}
+
+}  // namespace kvevict

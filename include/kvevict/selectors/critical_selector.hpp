@@ -1,0 +1,90 @@
+#pragma once
+/// The CriticalKV selector (arXiv 2502.03805, ICML 2026; kvpress CriticalKVPress / CriticalAdaKVPress): attention
+/// alone is not what matters, the output perturbation is. Two stages inside each head's budget.
+
+#include <cmath>
+#include <vector>
+
+#include "kvevict/aggregation/mean.hpp"
+#include "kvevict/observation/window_attention.hpp"
+#include "kvevict/selectors/selector.hpp"
+#include "kvevict/value/value_norm.hpp"
+
+namespace kvevict {
+
+/// Allocation ranks by the mean attention score s (2.3), so the base method (uniform, head-adaptive with its
+/// safeguard, layer-global) allocates exactly as it would alone. Then each head h with budget b_h
+///   stage 1: keeps its top int(b_h * first_stage_ratio) tokens by s (window and safeguard entries first);
+///   stage 2: fills the rest with the best of s'[h][j] = (s[h][j] + eps) * N[h][j] (2.4, the value term).
+/// Under reference_quirks the window does not rank first in stage 2: it competes with
+/// s' = (layer max of s + eps) * N, as the reference's padded scores do.
+struct CriticalSelector {
+  struct Params {
+    double eps = 1e-4;                   ///< added to s before weighting by the value norm
+    double first_stage_ratio = 0.5;      ///< fraction of each head's budget chosen by attention alone
+    ValueNorm value_norm = ValueNorm::l1;  ///< l1 (the papers' code) or l2 (Gram form, O(L d^2))
+    void validate(const char* where) const {
+      detail::require(std::isfinite(eps) && eps >= 0.0, where, "eps must be finite and >= 0, got ", eps);
+      detail::require(std::isfinite(first_stage_ratio) && first_stage_ratio >= 0.0 && first_stage_ratio <= 1.0,
+                      where, "first_stage_ratio must be in [0, 1], got ", first_stage_ratio);
+    }
+  };
+  template <class S>
+  struct Layer {
+    ScoreMap<S> allocation;  ///< s with the window, [Hkv, L]
+    ScoreMap<S> critical;    ///< s' [Hkv, L]
+  };
+
+  CriticalSelector() = default;
+  explicit CriticalSelector(const Params& p) : params_(p) {}
+  const Params& params() const { return params_; }
+
+  void adjust_budget(LayerBudget& /*budget*/, const LayerShape& /*shape*/, const CommonParams& /*common*/) const {}
+
+  template <class S, class T>
+  Layer<S> score(const LayerInputs<T>& in, const LayerShape& shape, const CommonParams& common,
+                 const LayerBudget& /*budget*/) const {
+    detail::validate_value_inputs(in, shape, "select");
+    const WindowObservation<S, T> obs(in, shape);
+    const RowMatrix<S> s = mean_scores(obs, common.kernel, common.pooling);
+    Layer<S> layer{scores_with_window(s, shape.window, common.reference_quirks), ScoreMap<S>(shape.kv_heads, shape.tokens)};
+    layer.allocation.require_finite("select");
+
+    OutputGram<S> gram;
+    if (params_.value_norm == ValueNorm::l2) gram = OutputGram<S>::compute(in.w_o);
+    const RowMatrix<S> n = value_norms<S>(in.values, in.w_o, shape.group, params_.value_norm, &gram);
+    const S eps = static_cast<S>(params_.eps);
+    const S layer_max = s.maxCoeff();
+    for (Index h = 0; h < shape.kv_heads; ++h) {
+      for (Index j = 0; j < shape.prefix; ++j) layer.critical.at(h, j) = (s(h, j) + eps) * n(h, j);
+      for (Index j = shape.prefix; j < shape.tokens; ++j) {
+        if (common.reference_quirks)
+          layer.critical.at(h, j) = (layer_max + eps) * n(h, j);
+        else
+          layer.critical.promote(h, j, Tier::window);
+      }
+    }
+    layer.critical.require_finite("select");
+    return layer;
+  }
+
+  template <class S>
+  void select(const Layer<S>& layer, const std::vector<Index>& budgets, KeepFlags& keep) const {
+    keep.assign(layer.allocation.score.size(), 0);
+    ScoreMap<S> second = layer.critical;  // safeguard entries of the allocation stay first in stage 2 too
+    for (std::size_t f = 0; f < second.tier.size(); ++f)
+      if (layer.allocation.tier[f] == Tier::forced) second.promote(static_cast<Index>(f) / second.tokens,
+                                                                   static_cast<Index>(f) % second.tokens, Tier::forced);
+    for (Index h = 0; h < layer.allocation.heads; ++h) {
+      const Index b = budgets[static_cast<std::size_t>(h)];
+      const auto first = static_cast<Index>(static_cast<double>(b) * params_.first_stage_ratio);
+      top_k_of_head(layer.allocation, h, first, keep);
+      top_k_of_head(second, h, b - first, keep);
+    }
+  }
+
+ private:
+  Params params_;
+};
+
+}  // namespace kvevict

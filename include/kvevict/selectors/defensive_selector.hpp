@@ -1,0 +1,112 @@
+#pragma once
+/// The DefensiveKV selector (arXiv 2510.13334, ICLR 2026): worst-case aggregation with a prior floor, the value
+/// term normalised across KV heads, and cumulative-attention-mass forcing.
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "kvevict/aggregation/defensive.hpp"
+#include "kvevict/forcing/mass_forcing.hpp"
+#include "kvevict/observation/window_attention.hpp"
+#include "kvevict/selectors/selector.hpp"
+#include "kvevict/value/value_norm.hpp"
+
+namespace kvevict {
+
+/// Scores s'[h][j] = M[h][j] * Nn[h][j] with M the defensive aggregation (2.3) and Nn[h][j] = N[h][j] / sum over
+/// KV heads of N[.][j] (2.4, no eps). Each head's mass-forced tokens (2.6) and the window are always kept:
+/// corrected (default), they rank above every scored token (tiers) and forcing is capped at n_kept - w;
+/// under reference_quirks they carry the layer maximum of s' (and can lose a layer-global top-k), the window
+/// bias is the reference's, the cap is int(P (1 - cr) - w) (negative: all but the last |cap|), and the flat
+/// totals are int(L (1 - cr) Hkv) per layer.
+/// `value_term = false` and `mass_forcing = false` give the paper's ablation (the defensive aggregation alone).
+struct DefensiveSelector {
+  struct Params {
+    double mass_threshold = 0.9;           ///< tau before the window bias is subtracted
+    ValueNorm value_norm = ValueNorm::l1;  ///< norm of the value term
+    bool value_term = true;                ///< weight by the normalised value norm
+    bool mass_forcing = true;              ///< force each head's cumulative-mass tokens
+    bool floor = true;                     ///< adaptive prior floor at the head mean (false: ablation)
+    void validate(const char* where) const {
+      detail::require(std::isfinite(mass_threshold) && mass_threshold >= 0.0 && mass_threshold <= 1.0, where,
+                      "mass_threshold must be in [0, 1], got ", mass_threshold);
+    }
+  };
+  template <class S>
+  struct Layer {
+    ScoreMap<S> allocation;
+  };
+
+  DefensiveSelector() = default;
+  explicit DefensiveSelector(const Params& p) : params_(p) {}
+  const Params& params() const { return params_; }
+
+  /// Under reference_quirks the flat totals are int(L * (1 - cr) * Hkv) (ALGORITHMS.md section 1).
+  void adjust_budget(LayerBudget& budget, const LayerShape& shape, const CommonParams& common) const {
+    if (!common.reference_quirks) return;
+    const double cr = detail::quirk_compression_ratio(budget, "select");
+    budget.total = static_cast<Index>(static_cast<double>(shape.tokens) * (1.0 - cr) * static_cast<double>(shape.kv_heads));
+  }
+
+  template <class S, class T>
+  Layer<S> score(const LayerInputs<T>& in, const LayerShape& shape, const CommonParams& common,
+                 const LayerBudget& budget) const {
+    if (params_.value_term) detail::validate_value_inputs(in, shape, "select");
+    const WindowObservation<S, T> obs(in, shape);
+    DefensiveAggregator<S> aggregation(shape, common.kernel, common.pooling, params_.floor);
+    MassStatistics<S> mass(shape, common.reference_quirks);
+    obs.for_each_head([&](Index q, const RowMatrix<S>& rows) {
+      aggregation.add(q, rows);
+      if (params_.mass_forcing) mass.add(q, rows);
+    });
+    RowMatrix<S> scores = aggregation.finish();  // M [Hkv, P]
+    if (params_.value_term) {
+      OutputGram<S> gram;
+      if (params_.value_norm == ValueNorm::l2) gram = OutputGram<S>::compute(in.w_o);
+      const RowMatrix<S> n = value_norms<S>(in.values, in.w_o, shape.group, params_.value_norm, &gram);
+      for (Index j = 0; j < shape.prefix; ++j) {
+        const S total = n.col(j).sum();
+        for (Index h = 0; h < shape.kv_heads; ++h) scores(h, j) *= total > S(0) ? n(h, j) / total : S(0);
+      }
+    }
+
+    Layer<S> layer{ScoreMap<S>::with_window(scores, shape.window)};
+    layer.allocation.require_finite("select");
+    std::vector<std::vector<Index>> forced(static_cast<std::size_t>(shape.kv_heads));
+    if (params_.mass_forcing) {
+      const double tau = params_.mass_threshold - mass.window_bias();
+      const Index cap = common.reference_quirks
+                            ? static_cast<Index>(static_cast<double>(shape.prefix) *
+                                                     (1.0 - detail::quirk_compression_ratio(budget, "select")) -
+                                                 static_cast<double>(shape.window))
+                            : std::max<Index>(0, static_cast<Index>(budget.n_kept) - shape.window);
+      for (Index h = 0; h < shape.kv_heads; ++h) forced[static_cast<std::size_t>(h)] = mass.forced_tokens(h, tau, cap);
+    }
+    if (common.reference_quirks) {
+      // The reference: forced tokens and the window carry the layer maximum of s'.
+      const S layer_max = scores.size() > 0 ? scores.maxCoeff() : S(0);
+      for (Index h = 0; h < shape.kv_heads; ++h) {
+        for (Index j : forced[static_cast<std::size_t>(h)]) layer.allocation.at(h, j) = layer_max;
+        for (Index j = shape.prefix; j < shape.tokens; ++j) {
+          layer.allocation.tier[layer.allocation.flat(h, j)] = Tier::scored;
+          layer.allocation.at(h, j) = layer_max;
+        }
+      }
+    } else {
+      for (Index h = 0; h < shape.kv_heads; ++h)
+        for (Index j : forced[static_cast<std::size_t>(h)]) layer.allocation.promote(h, j, Tier::forced);
+    }
+    return layer;
+  }
+
+  template <class S>
+  void select(const Layer<S>& layer, const std::vector<Index>& budgets, KeepFlags& keep) const {
+    select_top_per_head(layer.allocation, budgets, keep);
+  }
+
+ private:
+  Params params_;
+};
+
+}  // namespace kvevict

@@ -1,0 +1,107 @@
+#pragma once
+/// Stage 2.4, the value term (CriticalKV, arXiv 2502.03805): how much evicting a token perturbs the layer output,
+/// || V[h][j, :] (W_o^q)^T ||_p over the D output dimensions, averaged over the query heads of each group.
+
+#include <cmath>
+#include <vector>
+
+#include "kvevict/core/error.hpp"
+#include "kvevict/core/inputs.hpp"
+#include "kvevict/core/views.hpp"
+
+namespace kvevict {
+
+enum class ValueNorm {
+  l1,  ///< || v W^T ||_1, the papers' code: a blocked [L, d] x [d, D] product with a fused |.|-sum, O(L d D)
+  l2   ///< || v W^T ||_2 = sqrt(v (W^T W) v^T) through the per-head Gram matrix W^T W [d, d], O(L d^2)
+};
+
+inline const char* to_string(ValueNorm n) { return n == ValueNorm::l1 ? "l1" : "l2"; }
+
+/// W_o [D, H * head_dim] in the PyTorch Linear layout (out = concat_heads(attn) W_o^T), seen per query head q as
+/// the column block W_o^q [D, head_dim]: heads = H, rows = D, cols = head_dim, head_stride = head_dim,
+/// row_stride = the row pitch of W_o (H * head_dim when dense). No copy.
+template <class T>
+HeadsView<T> output_projection(T* data, Index hidden, Index query_heads, Index head_dim) {
+  return HeadsView<T>(data, query_heads, hidden, head_dim, head_dim, query_heads * head_dim);
+}
+
+/// Per-head Gram matrices of W_o, G_q = (W_o^q)^T W_o^q [head_dim, head_dim], precomputed once per model and layer
+/// for the L2 value norm.
+template <class S>
+struct OutputGram {
+  std::vector<RowMatrix<S>> per_head;
+
+  template <class T>
+  static OutputGram compute(const HeadsView<const T>& w_o) {
+    OutputGram g;
+    g.per_head.resize(static_cast<std::size_t>(w_o.heads()));
+    for (Index q = 0; q < w_o.heads(); ++q) {
+      const RowMatrix<S> w = w_o.head(q).template cast<S>();
+      g.per_head[static_cast<std::size_t>(q)].noalias() = w.transpose() * w;
+    }
+    return g;
+  }
+};
+
+namespace detail {
+
+/// Adds || V_h[j] (W^q)^T ||_p to out[j] for the L rows of one KV head, in blocks of rows so that the [L, D]
+/// projection is never materialised (extra memory O(block * D)).
+template <class S, class VMat, class WMat>
+void accumulate_l1_norms(const VMat& v, const WMat& w, S* out) {
+  constexpr Index block = 128;
+  const Index L = v.rows();
+  RowMatrix<S> proj;
+  for (Index j0 = 0; j0 < L; j0 += block) {
+    const Index n = std::min(block, L - j0);
+    proj.noalias() = v.middleRows(j0, n) * w.transpose();  // [n, D]
+    for (Index r = 0; r < n; ++r) out[j0 + r] += proj.row(r).cwiseAbs().sum();
+  }
+}
+
+}  // namespace detail
+
+/// N [Hkv, L]: N[h][j] = mean over the G query heads q of group h of || V[h][j, :] (W_o^q)^T ||_p.
+/// `gram` is used (and required) for ValueNorm::l2; it may be null for l1.
+template <class S, class T>
+RowMatrix<S> value_norms(const KVView<const T>& values, const HeadsView<const T>& w_o, Index group, ValueNorm norm,
+                         const OutputGram<S>* gram = nullptr) {
+  const Index Hkv = values.heads(), L = values.rows();
+  RowMatrix<S> n = RowMatrix<S>::Zero(Hkv, L);
+  RowMatrix<S> v, w;
+  for (Index h = 0; h < Hkv; ++h) {
+    v = values.head(h).template cast<S>();  // [L, d]
+    for (Index g = 0; g < group; ++g) {
+      const Index q = h * group + g;
+      if (norm == ValueNorm::l1) {
+        w = w_o.head(q).template cast<S>();  // [D, d]
+        detail::accumulate_l1_norms<S>(v, w, n.row(h).data());
+      } else {
+        KVEVICT_ASSERT(gram != nullptr);
+        const RowMatrix<S>& G = gram->per_head[static_cast<std::size_t>(q)];
+        n.row(h) += ((v * G).cwiseProduct(v).rowwise().sum().cwiseMax(S(0)).cwiseSqrt()).transpose();
+      }
+    }
+  }
+  n /= static_cast<S>(group);
+  return n;
+}
+
+namespace detail {
+
+/// Checks that the value-aware inputs are there and agree with the layer: values [Hkv, L, d] and
+/// W_o [H, D, d] (as output_projection() views W_o [D, H * d]).
+template <class T>
+void validate_value_inputs(const LayerInputs<T>& in, const LayerShape& s, const char* where) {
+  require(in.values.heads() * in.values.rows() * in.values.cols() > 0, where,
+          "this policy needs values [kv_heads, tokens, head_dim] (LayerInputs::values)");
+  require(in.w_o.heads() * in.w_o.rows() * in.w_o.cols() > 0, where,
+          "this policy needs w_o [hidden, H * head_dim] (LayerInputs::w_o, built with output_projection())");
+  require(in.w_o.heads() == s.query_heads && in.w_o.cols() == in.values.cols(), where,
+          "w_o must have H * head_dim = ", s.query_heads, " * ", in.values.cols(), " columns, got ", in.w_o.heads(),
+          " * ", in.w_o.cols());
+}
+
+}  // namespace detail
+}  // namespace kvevict
