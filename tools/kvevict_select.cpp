@@ -83,50 +83,75 @@ std::string shape_str(const std::vector<std::int64_t>& s) {
   return out + "]";
 }
 
+/// One layer's tensors converted to S, and the views the library reads.
 template <class S>
-kvevict::Selection select_layer(const Options& opt, const st::file& in, Index layer) {
-  const std::string prefix = "layers." + std::to_string(layer) + ".";
-  auto keys = load<S>(in, prefix + "keys", 3, "[kv_heads, tokens, head_dim]");
-  auto values = load<S>(in, prefix + "values", 3, "[kv_heads, tokens, head_dim]");
-  auto queries = load<S>(in, prefix + "q_window", 3, "[heads, window, head_dim]");
-  auto attention = load<S>(in, prefix + "window_attention", 3, "[heads, window, tokens]");
-  const Index Hkv = keys->shape[0], L = keys->shape[1], d = keys->shape[2];
+struct LayerTensors {
+  std::optional<Loaded<S>> keys, values, queries, attention, w_o;
+  kvevict::LayerInputs<S> inputs;
+};
 
-  kvevict::LayerInputs<S> li;
-  li.keys = kvevict::kv_heads_major<const S>(keys->data.data(), Hkv, L, d);
-  if (values) li.values = kvevict::kv_heads_major<const S>(values->data.data(), values->shape[0], values->shape[1], values->shape[2]);
-  if (values && (values->shape[0] != Hkv || values->shape[1] != L))
-    throw input_error("tensor '" + prefix + "values' has shape " + shape_str(values->shape) +
-                      "; expected the keys' [kv_heads, tokens] = [" + std::to_string(Hkv) + ", " + std::to_string(L) + ", head_dim]");
-  if (queries && attention)
+template <class S>
+LayerTensors<S> load_layer(const Options& opt, const st::file& in, Index layer, std::optional<Index>& window) {
+  const std::string prefix = "layers." + std::to_string(layer) + ".";
+  LayerTensors<S> t;
+  t.keys = load<S>(in, prefix + "keys", 3, "[kv_heads, tokens, head_dim]");
+  t.values = load<S>(in, prefix + "values", 3, "[kv_heads, tokens, head_dim]");
+  t.queries = load<S>(in, prefix + "q_window", 3, "[heads, window, head_dim]");
+  t.attention = load<S>(in, prefix + "window_attention", 3, "[heads, window, tokens]");
+  t.w_o = load<S>(in, prefix + "w_o", 2, "[hidden, heads * head_dim]");
+  const Index Hkv = t.keys->shape[0], L = t.keys->shape[1], d = t.keys->shape[2];
+  kvevict::LayerInputs<S>& li = t.inputs;
+  li.keys = kvevict::kv_heads_major<const S>(t.keys->data.data(), Hkv, L, d);
+  if (t.values) {
+    if (t.values->shape[0] != Hkv || t.values->shape[1] != L)
+      throw input_error("tensor '" + prefix + "values' has shape " + shape_str(t.values->shape) + "; expected [" +
+                        std::to_string(Hkv) + ", " + std::to_string(L) + ", head_dim] like the keys");
+    li.values = kvevict::kv_heads_major<const S>(t.values->data.data(), Hkv, L, t.values->shape[2]);
+  }
+  if (t.queries && t.attention)
     throw input_error("layer " + std::to_string(layer) + " has both 'q_window' and 'window_attention'; expected exactly one");
-  if (!queries && !attention && opt.policy != "streamingllm")
+  const bool needs_observation = opt.base != "streamingllm";
+  if (!t.queries && !t.attention && needs_observation)
     throw input_error("missing tensor '" + prefix + "q_window' [heads, window, head_dim] (or '" + prefix +
                       "window_attention' [heads, window, tokens])");
-  const Loaded<S>* obs = queries ? &*queries : attention ? &*attention : nullptr;
-  if (obs) {
-    auto view = kvevict::HeadsView<const S>::heads_major(obs->data.data(), obs->shape[0], obs->shape[1], obs->shape[2]);
-    (queries ? li.queries : li.attention) = view;
+  const Loaded<S>* obs = t.queries ? &*t.queries : t.attention ? &*t.attention : nullptr;
+  if (obs && needs_observation) {
+    const auto view = kvevict::HeadsView<const S>::heads_major(obs->data.data(), obs->shape[0], obs->shape[1], obs->shape[2]);
+    (t.queries ? li.queries : li.attention) = view;
+    if (!window) window = obs->shape[1];
+    if (*window != obs->shape[1])
+      throw input_error("--window " + std::to_string(*window) + " does not match the " + std::to_string(obs->shape[1]) +
+                        " window rows of '" + prefix + (t.queries ? "q_window'" : "window_attention'"));
+    const bool value_aware = opt.selector == "critical" || (opt.selector == "defensive" && !opt.aggregation_only);
+    if (value_aware) {
+      if (!t.values) throw input_error("missing tensor '" + prefix + "values' [kv_heads, tokens, head_dim]; the " + opt.policy + " policy needs it");
+      if (!t.w_o) throw input_error("missing tensor '" + prefix + "w_o' [hidden, heads * head_dim]; the " + opt.policy + " policy needs it");
+      const Index H = obs->shape[0], dv = t.values->shape[2];
+      if (t.w_o->shape[1] != H * dv)
+        throw input_error("tensor '" + prefix + "w_o' has shape " + shape_str(t.w_o->shape) + "; expected [hidden, " +
+                          std::to_string(H * dv) + "] (heads * head_dim)");
+      li.w_o = kvevict::output_projection<const S>(t.w_o->data.data(), t.w_o->shape[0], H, dv);
+    }
   }
-  Index window = opt.window.value_or(obs ? obs->shape[1] : 0);
-  if (obs && window != obs->shape[1])
-    throw input_error("--window " + std::to_string(window) + " does not match the " + std::to_string(obs->shape[1]) +
-                      " window rows of '" + prefix + (queries ? "q_window'" : "window_attention'"));
-  return kvevict::tools::run_policy<S>(opt, li, window);
+  return t;
 }
 
 template <class S>
 int run(const Options& opt) {
   const st::file in = st::file::open(opt.input);
-  const Index layers = count_layers(in);
+  const Index n_layers = count_layers(in);
+  std::optional<Index> window = opt.window;
+  std::vector<LayerTensors<S>> layers;
+  layers.reserve(static_cast<std::size_t>(n_layers));  // the views point into these buffers: no reallocation
+  std::vector<kvevict::LayerInputs<S>> inputs;
+  for (Index i = 0; i < n_layers; ++i) {
+    layers.push_back(load_layer<S>(opt, in, i, window));
+    inputs.push_back(layers.back().inputs);
+  }
+  const std::vector<kvevict::Selection> selections = kvevict::tools::run_policy<S>(opt, inputs, window.value_or(1));
   std::vector<st::tensor_out> out;
-  for (Index i = 0; i < layers; ++i) {
-    kvevict::Selection sel;
-    try {
-      sel = select_layer<S>(opt, in, i);
-    } catch (const kvevict::invalid_argument& e) {
-      throw input_error("layer " + std::to_string(i) + ": " + e.what());
-    }
+  for (std::size_t i = 0; i < selections.size(); ++i) {
+    const kvevict::Selection& sel = selections[i];
     const std::string prefix = "layers." + std::to_string(i) + ".";
     out.push_back(st::make_tensor_i64(prefix + "kept_indices", {sel.total()}, sel.indices()));
     out.push_back(st::make_tensor_i64(prefix + "kept_offsets", {sel.heads() + 1}, sel.offsets()));

@@ -9,6 +9,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kvevict/kvevict.hpp"
@@ -19,19 +20,32 @@ struct usage_error : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// Named policies and the (base, selector) pair each one stands for.
+/// Named policies and the (base, selector) pair each one stands for, with the preset's own settings.
 struct PolicyName {
   const char* name;
   const char* base;
   const char* selector;
+  bool flat = false;          ///< head-adaptive without the safeguard (alpha 0): DefensiveKV's flat top-k
+  bool aggregation_only = false;  ///< defensive aggregation alone (no value term, no mass forcing)
 };
 inline const std::vector<PolicyName>& policy_names() {
   static const std::vector<PolicyName> names = {
       {"snapkv", "snapkv", "attention"},
       {"adakv", "adakv", "attention"},
       {"streamingllm", "streamingllm", "none"},
+      {"criticalkv", "adakv", "critical"},
+      {"criticalkv-snapkv", "snapkv", "critical"},
+      {"defensivekv", "adakv", "defensive", true},
+      {"layer-defensivekv", "layer", "defensive"},
+      {"adakv-defensive", "adakv", "defensive", false, true},
   };
   return names;
+}
+
+inline std::string policy_list() {
+  std::string out;
+  for (const PolicyName& p : policy_names()) out += (out.empty() ? "" : ", ") + std::string(p.name);
+  return out;
 }
 
 struct Options {
@@ -48,6 +62,14 @@ struct Options {
   Index sinks = 4;
   std::string precision = "f32";
   bool reference_quirks = false;
+  // selectors
+  double eps = 1e-4;
+  double first_stage_ratio = 0.5;
+  kvevict::ValueNorm value_norm = kvevict::ValueNorm::l1;
+  double mass_threshold = 0.9;
+  bool floor = true;
+  bool flat = false;
+  bool aggregation_only = false;
 
   std::map<std::string, std::string> metadata() const {
     return {{"policy", policy}, {"base", base},     {"selector", selector},
@@ -58,8 +80,10 @@ struct Options {
 inline const char* usage_text() {
   return "usage: kvevict-select (--policy NAME | --base B --selector S) (--budget N | --keep R | --compression-ratio CR)\n"
          "                      [options] INPUT.safetensors OUTPUT.safetensors\n"
-         "policies:  snapkv, adakv, streamingllm\n"
-         "bases:     snapkv (uniform), adakv (head-adaptive)    selectors: attention\n"
+         "policies:  snapkv, adakv, streamingllm, criticalkv, criticalkv-snapkv, defensivekv, layer-defensivekv,\n"
+         "           adakv-defensive\n"
+         "bases:     snapkv (uniform), adakv (head-adaptive), layer (layer-global)\n"
+         "selectors: attention, critical (CriticalKV), defensive (DefensiveKV)\n"
          "options:\n"
          "  --budget N                tokens kept per KV head on average, window included (1 <= N <= L)\n"
          "  --keep R                  keep ratio in (0, 1]: n_kept = int(L * R)\n"
@@ -71,9 +95,14 @@ inline const char* usage_text() {
          "  --adakv-variant kvpress|original   AdaKV allocation (default kvpress)\n"
          "  --sinks N                 StreamingLLM sink tokens (default 4)\n"
          "  --precision f32|f64       arithmetic precision (default f32)\n"
-         "  --reference-quirks        reproduce the reference code's quirks\n"
+         "  --reference-quirks        reproduce the reference code's quirks (needs --compression-ratio for defensive)\n"
+         "  --eps E                   CriticalKV eps (default 1e-4)\n"
+         "  --first-stage-ratio R     CriticalKV share of each head's budget chosen by attention (default 0.5)\n"
+         "  --value-norm l1|l2        value term norm (default l1; l2 uses the W_o Gram matrix, O(L d^2))\n"
+         "  --mass-threshold T        DefensiveKV cumulative mass threshold (default 0.9)\n"
+         "  --no-floor                DefensiveKV without the adaptive prior floor (ablation)\n"
          "input per layer i: layers.{i}.q_window [H,w,d] or layers.{i}.window_attention [H,w,L], layers.{i}.keys\n"
-         "[Hkv,L,d], layers.{i}.values [Hkv,L,d]; F64/F32/F16/BF16. output: layers.{i}.kept_indices I64,\n"
+         "[Hkv,L,d], layers.{i}.values [Hkv,L,d], layers.{i}.w_o [D,H*d] (value-aware selectors); F64/F32/F16/BF16. output: layers.{i}.kept_indices I64,\n"
          "layers.{i}.kept_offsets I64 [Hkv+1].\n";
 }
 
@@ -158,6 +187,23 @@ inline std::optional<Options> parse_options(int argc, char** argv) {
         throw usage_error("--precision must be f32 or f64, got '" + o.precision + "'");
     } else if (a == "--reference-quirks") {
       o.reference_quirks = true;
+    } else if (a == "--eps") {
+      o.eps = parse_double(a, value());
+      if (o.eps < 0.0) throw usage_error("--eps must be >= 0, got " + std::string(argv[i]));
+    } else if (a == "--first-stage-ratio") {
+      o.first_stage_ratio = parse_double(a, value());
+      if (o.first_stage_ratio < 0.0 || o.first_stage_ratio > 1.0)
+        throw usage_error("--first-stage-ratio must be in [0, 1], got " + std::string(argv[i]));
+    } else if (a == "--value-norm") {
+      const std::string v = value();
+      if (v != "l1" && v != "l2") throw usage_error("--value-norm must be l1 or l2, got '" + v + "'");
+      o.value_norm = v == "l1" ? kvevict::ValueNorm::l1 : kvevict::ValueNorm::l2;
+    } else if (a == "--mass-threshold") {
+      o.mass_threshold = parse_double(a, value());
+      if (o.mass_threshold < 0.0 || o.mass_threshold > 1.0)
+        throw usage_error("--mass-threshold must be in [0, 1], got " + std::string(argv[i]));
+    } else if (a == "--no-floor") {
+      o.floor = false;
     } else if (a.size() > 1 && a[0] == '-') {
       throw usage_error("unknown option '" + a + "'");
     } else {
@@ -179,49 +225,108 @@ inline std::optional<Options> parse_options(int argc, char** argv) {
       if (*policy == p.name) {
         o.base = p.base;
         o.selector = p.selector;
+        o.flat = p.flat;
+        o.aggregation_only = p.aggregation_only;
         found = true;
       }
-    if (!found) throw usage_error("unknown policy '" + *policy + "' (expected snapkv, adakv or streamingllm)");
+    if (!found) throw usage_error("unknown policy '" + *policy + "' (expected one of " + policy_list() + ")");
     o.policy = *policy;
   } else {
     o.base = base.value_or("snapkv");
     o.selector = selector.value_or("attention");
-    if (o.base != "snapkv" && o.base != "adakv") throw usage_error("unknown base '" + o.base + "' (expected snapkv or adakv)");
-    if (o.selector != "attention") throw usage_error("unknown selector '" + o.selector + "' (expected attention)");
+    if (o.base != "snapkv" && o.base != "adakv" && o.base != "layer")
+      throw usage_error("unknown base '" + o.base + "' (expected snapkv, adakv or layer)");
+    if (o.selector != "attention" && o.selector != "critical" && o.selector != "defensive")
+      throw usage_error("unknown selector '" + o.selector + "' (expected attention, critical or defensive)");
     o.policy = o.base + "+" + o.selector;
   }
   return o;
 }
 
-/// Runs base + selector on one layer.
-template <class S, class Allocation, class Selector>
-kvevict::Selection run_composed(const Options& o, const kvevict::LayerInputs<S>& in, Index window) {
-  typename kvevict::Policy<Allocation, Selector>::Params p;
+/// Copies the command line's numbers into a policy's flat Params (fields the policy lacks are skipped).
+template <class Params>
+void fill_params(const Options& o, Index window, Params& p) {
   p.window = window;
   p.pooling = o.pooling;
   p.kernel = o.kernel;
   p.reference_quirks = o.reference_quirks;
-  if constexpr (std::is_same_v<Allocation, kvevict::HeadAdaptiveAllocation>) {
-    p.alpha = o.alpha;
+  if constexpr (std::is_base_of_v<kvevict::HeadAdaptiveAllocation::Params, Params>) {
+    p.alpha = o.flat ? 0.0 : o.alpha;
     p.variant = o.adakv_variant;
   }
-  return kvevict::Policy<Allocation, Selector>(p).template select<S>(in, *o.budget);
+  if constexpr (std::is_base_of_v<kvevict::CriticalSelector::Params, Params>) {
+    p.eps = o.eps;
+    p.first_stage_ratio = o.first_stage_ratio;
+    p.value_norm = o.value_norm;
+  }
+  if constexpr (std::is_base_of_v<kvevict::DefensiveSelector::Params, Params>) {
+    p.mass_threshold = o.mass_threshold;
+    p.value_norm = o.value_norm;
+    p.floor = o.floor;
+    p.value_term = !o.aggregation_only;
+    p.mass_forcing = !o.aggregation_only;
+  }
 }
 
+template <class T>
+struct type_tag {
+  using type = T;
+};
+
+/// Runs the selector on the base the options name, over every layer (layer-global bases see them all at once).
 template <class S, class Selector>
-kvevict::Selection run_on_base(const Options& o, const kvevict::LayerInputs<S>& in, Index window) {
-  if (o.base == "adakv") return run_composed<S, kvevict::HeadAdaptiveAllocation, Selector>(o, in, window);
-  return run_composed<S, kvevict::UniformAllocation, Selector>(o, in, window);
+std::vector<kvevict::Selection> run_selector(const Options& o, const std::vector<kvevict::LayerInputs<S>>& layers,
+                                             Index window) {
+  std::vector<kvevict::Selection> out;
+  if (o.base == "layer") {
+    typename kvevict::LayerGlobalPolicy<Selector>::Params p;
+    fill_params(o, window, p);
+    const kvevict::LayerGlobalPolicy<Selector> policy(p);
+    auto plan = policy.template plan<S, S>(*o.budget);
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+      try {
+        plan.add(layers[i]);
+      } catch (const kvevict::invalid_argument& e) {
+        throw kvevict::invalid_argument("layer " + std::to_string(i) + ": " + e.what());
+      }
+    }
+    return plan.apply();
+  }
+  auto run = [&](auto policy_tag) {
+    using P = typename decltype(policy_tag)::type;
+    typename P::Params p;
+    fill_params(o, window, p);
+    const P policy(p);
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+      try {
+        out.push_back(policy.template select<S>(layers[i], *o.budget));
+      } catch (const kvevict::invalid_argument& e) {
+        throw kvevict::invalid_argument("layer " + std::to_string(i) + ": " + e.what());
+      }
+    }
+  };
+  if (o.base == "adakv")
+    run(type_tag<kvevict::Policy<kvevict::HeadAdaptiveAllocation, Selector>>{});
+  else
+    run(type_tag<kvevict::Policy<kvevict::UniformAllocation, Selector>>{});
+  return out;
 }
 
+/// The selections of every layer for the policy the options name.
 template <class S>
-kvevict::Selection run_policy(const Options& o, const kvevict::LayerInputs<S>& in, Index window) {
+std::vector<kvevict::Selection> run_policy(const Options& o, const std::vector<kvevict::LayerInputs<S>>& layers,
+                                           Index window) {
   if (o.base == "streamingllm") {
     kvevict::StreamingLLM::Params p;
     p.sinks = o.sinks;
-    return kvevict::StreamingLLM(p).select(in, *o.budget);
+    const kvevict::StreamingLLM policy(p);
+    std::vector<kvevict::Selection> out;
+    for (const auto& in : layers) out.push_back(policy.select(in, *o.budget));
+    return out;
   }
-  return run_on_base<S, kvevict::AttentionSelector>(o, in, window);
+  if (o.selector == "critical") return run_selector<S, kvevict::CriticalSelector>(o, layers, window);
+  if (o.selector == "defensive") return run_selector<S, kvevict::DefensiveSelector>(o, layers, window);
+  return run_selector<S, kvevict::AttentionSelector>(o, layers, window);
 }
 
 }  // namespace kvevict::tools

@@ -26,6 +26,8 @@
 
 #include "kvevict/forcing/mass_forcing.hpp"
 
+#include "kvevict/measure/perturbation.hpp"
+
 #include "kvevict/ranking/score_map.hpp"
 #include "kvevict/ranking/topk.hpp"
 
