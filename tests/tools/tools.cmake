@@ -1,7 +1,8 @@
 # kvevict-select end to end: float64 agreement with the reference, every dtype, every bad-input path.
 if(TARGET kvevict-select)
   find_package(nlohmann_json 3 REQUIRED)
-  add_executable(kvevict_cli_tests ${CMAKE_CURRENT_LIST_DIR}/test_select_cli.cpp ${CMAKE_CURRENT_LIST_DIR}/../main.cpp)
+  file(GLOB KVEVICT_CLI_TEST_SOURCES CONFIGURE_DEPENDS ${CMAKE_CURRENT_LIST_DIR}/test_*.cpp)
+  add_executable(kvevict_cli_tests ${KVEVICT_CLI_TEST_SOURCES} ${CMAKE_CURRENT_LIST_DIR}/../main.cpp)
   target_include_directories(kvevict_cli_tests PRIVATE ${PROJECT_SOURCE_DIR}/tests ${PROJECT_SOURCE_DIR}/tools)
   target_link_libraries(kvevict_cli_tests PRIVATE kvevict::kvevict nlohmann_json::nlohmann_json Catch2::Catch2 kvevict_warnings)
   target_compile_definitions(kvevict_cli_tests PRIVATE KVEVICT_SELECT_PATH="$<TARGET_FILE:kvevict-select>")
