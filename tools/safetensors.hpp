@@ -795,15 +795,20 @@ inline file file::open(const std::string& path) {
     throw error(path + ": cannot open (" + (e ? std::generic_category().message(e) : std::string("unknown error")) +
                 "); expected a readable safetensors file");
   }
+  // Read straight into the buffer when the size is known, then keep reading in case the file grew meanwhile.
   std::vector<unsigned char> bytes;
   const auto expected_size = std::filesystem::file_size(path, ec);
-  if (!ec && expected_size <= std::numeric_limits<std::size_t>::max() / 2)
-    bytes.reserve(static_cast<std::size_t>(expected_size));
-  std::vector<unsigned char> chunk(1 << 20);
-  for (;;) {
-    const std::size_t got = std::fread(chunk.data(), 1, chunk.size(), fp.get());
-    bytes.insert(bytes.end(), chunk.begin(), chunk.begin() + static_cast<std::ptrdiff_t>(got));
-    if (got < chunk.size()) break;
+  if (!ec && expected_size > 0 && expected_size <= std::numeric_limits<std::size_t>::max() / 2) {
+    bytes.resize(static_cast<std::size_t>(expected_size));
+    bytes.resize(std::fread(bytes.data(), 1, bytes.size(), fp.get()));
+  }
+  if (!std::ferror(fp.get())) {
+    std::vector<unsigned char> chunk(std::size_t{1} << 16);
+    for (;;) {
+      const std::size_t got = std::fread(chunk.data(), 1, chunk.size(), fp.get());
+      bytes.insert(bytes.end(), chunk.begin(), chunk.begin() + static_cast<std::ptrdiff_t>(got));
+      if (got < chunk.size()) break;
+    }
   }
   if (std::ferror(fp.get())) {
     const int e = errno;
@@ -824,9 +829,9 @@ std::vector<S> file::read_floats(const tensor_info& t) const {
   const std::size_t size = dtype_size(t.type);
   const std::size_t n = (t.end - t.begin) / size;  // bounded by the bytes in memory
   std::vector<S> out(n);
-  for (std::size_t i = 0; i < n; ++i, p += size) {
-    switch (t.type) {
-      case dtype::F64: {
+  switch (t.type) {
+    case dtype::F64:
+      for (std::size_t i = 0; i < n; ++i, p += 8) {
         double d = 0;
         std::memcpy(&d, p, sizeof d);
         if constexpr (std::is_same_v<S, double>) {
@@ -834,18 +839,24 @@ std::vector<S> file::read_floats(const tensor_info& t) const {
         } else {
           out[i] = detail::narrow_to_float(d);
         }
-        break;
       }
-      case dtype::F32: {
+      break;
+    case dtype::F32:
+      for (std::size_t i = 0; i < n; ++i, p += 4) {
         float f = 0;
         std::memcpy(&f, p, sizeof f);
         out[i] = static_cast<S>(f);
-        break;
       }
-      case dtype::F16: out[i] = static_cast<S>(detail::half_bits_to_float(detail::load_u16(p))); break;
-      case dtype::BF16: out[i] = static_cast<S>(detail::bf16_bits_to_float(detail::load_u16(p))); break;
-      default: break;  // excluded above
-    }
+      break;
+    case dtype::F16:
+      for (std::size_t i = 0; i < n; ++i, p += 2)
+        out[i] = static_cast<S>(detail::half_bits_to_float(detail::load_u16(p)));
+      break;
+    case dtype::BF16:
+      for (std::size_t i = 0; i < n; ++i, p += 2)
+        out[i] = static_cast<S>(detail::bf16_bits_to_float(detail::load_u16(p)));
+      break;
+    default: break;  // excluded above
   }
   return out;
 }
