@@ -1,0 +1,276 @@
+#pragma once
+/// A minimal float32 inference engine for tinycode (models/tinycode/MODEL.md) with KV-cache eviction by kvevict.
+///
+/// Life of a request:
+///   Engine e(model);
+///   Matrix logits = e.extend(context);             // prefill: all positions at once, full causal attention
+///   e.compress(kvevict::SnapKV{}, kvevict::Budget::keep_ratio(0.1));   // one kvevict call per layer
+///   RowVector next = e.decode(token);              // decoding against the compressed cache
+///
+/// extend() is the only forward pass: it runs a chunk of n new tokens at positions next_position() .. + n - 1,
+/// appends their keys and values to every (layer, KV head) cache and lets each new token attend to that head's
+/// cached rows and to the new tokens up to itself. On an empty cache it is the prefill; with n = 1 it is one
+/// decoding step (decode()); with a compressed cache and n > 1 it is the teacher-forced equivalent of n decoding
+/// steps (chunked decoding). Positions are original token positions: eviction never renumbers RoPE positions.
+///
+/// Eviction: extend() remembers, per layer, the post-RoPE queries of the last `window` positions [H, w, d].
+/// eviction_inputs(layer) hands them to kvevict together with the layer's keys and values as views over the cache
+/// storage (no copy); evict(layer, selection) compacts the cache in place with Selection::compact().
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <kvevict/kvevict.hpp>
+
+#include "kv_cache.hpp"
+#include "model.hpp"
+
+namespace tinycode {
+
+using Token = std::int32_t;
+
+/// What one compress() did.
+struct EvictionStats {
+  double select_ms = 0;     ///< time in the policy's select(), summed over layers
+  double compact_ms = 0;    ///< time spent compacting the cache, summed over layers
+  std::vector<Index> kept;  ///< rows kept per (layer, KV head), [n_layer * n_kv_head]
+};
+
+class Engine {
+ public:
+  /// `window`: how many trailing query positions to remember for eviction (the policy's window, default 32).
+  /// `capacity`: rows per (layer, KV head) cache; the default is the model context (config.ctx).
+  explicit Engine(const Model& model, Index window = 32, Index capacity = 0) : model_(&model), window_(window) {
+    const Config& c = model.config;
+    if (window < 1) throw std::invalid_argument("Engine: window must be >= 1");
+    cache_ = KVCache(c.n_layer, c.n_kv_head, c.head_dim, capacity > 0 ? capacity : c.ctx);
+    window_queries_.assign(static_cast<std::size_t>(c.n_layer),
+                           std::vector<float>(static_cast<std::size_t>(c.n_head * window * c.head_dim), 0.0f));
+    // RoPE table [ctx, head_dim / 2], rotate-half convention: angle(t, m) = t * theta^(-2m / d).
+    const Index half = c.head_dim / 2;
+    rope_cos_.resize(c.ctx, half);
+    rope_sin_.resize(c.ctx, half);
+    for (Index t = 0; t < c.ctx; ++t)
+      for (Index m = 0; m < half; ++m) {
+        const double inv = std::pow(c.rope_theta, -2.0 * static_cast<double>(m) / static_cast<double>(c.head_dim));
+        const double angle = static_cast<double>(t) * inv;
+        rope_cos_(t, m) = static_cast<float>(std::cos(angle));
+        rope_sin_(t, m) = static_cast<float>(std::sin(angle));
+      }
+  }
+
+  const Model& model() const { return *model_; }
+  const KVCache& cache() const { return cache_; }
+  /// Position of the next token = tokens run so far (the cache may hold fewer rows after eviction).
+  Index next_position() const { return next_position_; }
+  Index window() const { return window_; }
+  /// Forgets every token (keeps the allocations).
+  void reset() {
+    cache_.clear();
+    next_position_ = 0;
+    window_filled_ = 0;
+  }
+
+  /// Runs `n` tokens (see the file comment); returns their logits [n, vocab]: row i predicts the token after
+  /// tokens[i].
+  Matrix extend(const Token* tokens, Index n) {
+    const Config& c = model_->config;
+    if (n < 1) throw std::invalid_argument("Engine::extend: needs at least one token");
+    if (next_position_ + n > c.ctx)
+      throw std::length_error("Engine::extend: positions up to " + std::to_string(next_position_ + n - 1) +
+                              " exceed the model context of " + std::to_string(c.ctx));
+    Matrix x(n, c.d_model);
+    for (Index i = 0; i < n; ++i) {
+      if (tokens[i] < 0 || tokens[i] >= c.vocab)
+        throw std::invalid_argument("Engine::extend: token " + std::to_string(tokens[i]) + " is outside [0, " +
+                                    std::to_string(c.vocab) + ")");
+      x.row(i) = model_->embed.row(tokens[i]);
+    }
+    for (Index l = 0; l < c.n_layer; ++l) layer_forward(l, x);
+    next_position_ += n;
+    window_filled_ = std::min(window_, window_filled_ + n);
+    return rms_norm(x, model_->final_norm) * model_->embed.transpose();  // tied head
+  }
+  Matrix extend(const std::vector<Token>& tokens) { return extend(tokens.data(), static_cast<Index>(tokens.size())); }
+
+  /// One decoding step: logits [vocab] of the token after `token`.
+  RowVector decode(Token token) { return extend(&token, 1); }
+
+  /// What a kvevict policy reads for `layer`: queries [H, w, d] (post-RoPE queries of the last w positions) and
+  /// keys / values [Hkv, L, d] viewing this engine's cache (no copy). Valid until the next extend() or evict().
+  /// Needs an uncompressed layer holding at least w positions. (Value-aware selectors also read the layer's W_o:
+  /// model().layers[layer].wo, [d_model, H * d] in PyTorch Linear layout.)
+  kvevict::LayerInputs<float> eviction_inputs(Index layer) const {
+    const Config& c = model_->config;
+    if (layer < 0 || layer >= c.n_layer)
+      throw std::out_of_range("Engine::eviction_inputs: layer " + std::to_string(layer) + " out of range");
+    if (window_filled_ < window_)
+      throw std::logic_error("Engine::eviction_inputs: fewer than window = " + std::to_string(window_) +
+                             " positions have been run");
+    kvevict::LayerInputs<float> in;
+    in.queries = kvevict::HeadsView<const float>::heads_major(window_queries_[static_cast<std::size_t>(layer)].data(),
+                                                              c.n_head, window_, c.head_dim);
+    in.keys = cache_.key_view(layer);
+    in.values = cache_.value_view(layer);
+    const Matrix& wo = model_->layers[static_cast<std::size_t>(layer)].wo;  // W_o [d_model, n_head * head_dim]
+    in.w_o = kvevict::output_projection<const float>(wo.data(), c.d_model, c.n_head, c.head_dim);
+    return in;
+  }
+  /// eviction_inputs() of every layer, for policies that plan over the whole model before evicting.
+  std::vector<kvevict::LayerInputs<float>> eviction_inputs() const {
+    std::vector<kvevict::LayerInputs<float>> all;
+    for (Index l = 0; l < model_->config.n_layer; ++l) all.push_back(eviction_inputs(l));
+    return all;
+  }
+
+  /// Keeps only the entries `selection` chose in `layer`'s cache (per KV head, original positions kept).
+  void evict(Index layer, const kvevict::Selection& selection) { cache_.compact(layer, selection); }
+  /// evict() for every layer; selections [n_layer].
+  void evict(const std::vector<kvevict::Selection>& selections) {
+    if (static_cast<Index>(selections.size()) != model_->config.n_layer)
+      throw std::invalid_argument("Engine::evict: needs one selection per layer");
+    for (Index l = 0; l < model_->config.n_layer; ++l) evict(l, selections[static_cast<std::size_t>(l)]);
+  }
+
+  /// Compresses every layer with `policy` (anything with `Selection select(const LayerInputs<float>&, const
+  /// Budget&) const`, e.g. kvevict::SnapKV, kvevict::AdaKV, kvevict::StreamingLLM): one select() and one
+  /// compaction per layer, right after the prefill.
+  template <class Policy>
+  EvictionStats compress(const Policy& policy, const kvevict::Budget& budget) {
+    using clock = std::chrono::steady_clock;
+    EvictionStats stats;
+    for (Index l = 0; l < model_->config.n_layer; ++l) {
+      const auto t0 = clock::now();
+      const kvevict::Selection selection = policy.select(eviction_inputs(l), budget);
+      const auto t1 = clock::now();
+      evict(l, selection);
+      const auto t2 = clock::now();
+      stats.select_ms += std::chrono::duration<double, std::milli>(t1 - t0).count();
+      stats.compact_ms += std::chrono::duration<double, std::milli>(t2 - t1).count();
+    }
+    stats.kept = kept_lengths();
+    return stats;
+  }
+
+  /// Rows held per (layer, KV head), [n_layer * n_kv_head].
+  std::vector<Index> kept_lengths() const {
+    std::vector<Index> out;
+    for (Index l = 0; l < cache_.layers(); ++l)
+      for (Index h = 0; h < cache_.kv_heads(); ++h) out.push_back(cache_.length(l, h));
+    return out;
+  }
+
+ private:
+  /// Query rows per attention block: bounds the score buffer to [block, L] and skips most of the causal triangle.
+  static constexpr Index attention_block = 128;
+
+  Matrix rms_norm(const Matrix& x, const RowVector& gain) const {
+    Matrix out(x.rows(), x.cols());
+    const auto eps = static_cast<float>(model_->config.norm_eps);
+    for (Index i = 0; i < x.rows(); ++i) {
+      const float inv = 1.0f / std::sqrt(x.row(i).squaredNorm() / static_cast<float>(x.cols()) + eps);
+      out.row(i) = x.row(i).cwiseProduct(gain) * inv;
+    }
+    return out;
+  }
+
+  /// Rotates every head of `m` [n, heads * d] in place for positions first .. first + n - 1 (rotate-half).
+  void apply_rope(Matrix& m, Index heads, Index first) const {
+    const Index d = model_->config.head_dim, half = d / 2;
+    for (Index i = 0; i < m.rows(); ++i) {
+      const auto c = rope_cos_.row(first + i), s = rope_sin_.row(first + i);
+      for (Index h = 0; h < heads; ++h) {
+        auto x1 = m.row(i).segment(h * d, half);
+        auto x2 = m.row(i).segment(h * d + half, half);
+        const Eigen::Array<float, 1, Eigen::Dynamic> a = x1.array(), b = x2.array();
+        x1.array() = a * c.array() - b * s.array();
+        x2.array() = b * c.array() + a * s.array();
+      }
+    }
+  }
+
+  /// Keeps the post-RoPE queries of the last `window_` positions of layer l ([H, w, d], oldest first).
+  void remember_window_queries(Index l, const Matrix& q) {
+    const Config& c = model_->config;
+    const Index n = q.rows(), d = c.head_dim, take = std::min(n, window_);
+    const Index old = std::min(window_filled_, window_ - take);  // rows kept from earlier calls
+    float* buf = window_queries_[static_cast<std::size_t>(l)].data();
+    for (Index h = 0; h < c.n_head; ++h) {
+      float* head = buf + h * window_ * d;
+      // the last `old` remembered rows move to the front (forward copy; destination starts first)
+      std::copy(head + (window_filled_ - old) * d, head + window_filled_ * d, head);
+      for (Index i = 0; i < take; ++i) {
+        const auto src = q.row(n - take + i).segment(h * d, d);
+        std::copy(src.data(), src.data() + d, head + (old + i) * d);
+      }
+    }
+  }
+
+  /// One transformer block on x [n, d_model] (in place) for the new tokens at next_position_ ...
+  void layer_forward(Index l, Matrix& x) {
+    const Config& c = model_->config;
+    const LayerWeights& w = model_->layers[static_cast<std::size_t>(l)];
+    const Index n = x.rows(), d = c.head_dim, group = c.group();
+
+    // Attention: projections, RoPE at the original positions, append K/V, causal GQA attention.
+    Matrix h = rms_norm(x, w.attn_norm);
+    Matrix q = h * w.wq.transpose();  // [n, H * d]
+    Matrix k = h * w.wk.transpose();  // [n, Hkv * d]
+    const Matrix v = h * w.wv.transpose();
+    apply_rope(q, c.n_head, next_position_);
+    apply_rope(k, c.n_kv_head, next_position_);
+    remember_window_queries(l, q);
+    for (Index kh = 0; kh < c.n_kv_head; ++kh)
+      cache_.append(l, kh, k.middleCols(kh * d, d), v.middleCols(kh * d, d), next_position_);
+
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    Matrix attn(n, c.n_head * d);
+    Matrix scores;
+    for (Index kh = 0; kh < c.n_kv_head; ++kh) {
+      const auto keys = cache_.keys(l, kh);  // [len, d]: kept context rows, then the new tokens
+      const auto values = cache_.values(l, kh);
+      const Index cached = keys.rows() - n;  // rows before the new tokens, all visible to every new token
+      for (Index qh = kh * group; qh < (kh + 1) * group; ++qh) {
+        for (Index b0 = 0; b0 < n; b0 += attention_block) {
+          const Index bn = std::min(attention_block, n - b0), visible_end = cached + b0 + bn;
+          scores.noalias() = q.block(b0, qh * d, bn, d) * keys.topRows(visible_end).transpose();
+          for (Index i = 0; i < bn; ++i) {  // softmax over keys [0, cached + b0 + i], zero beyond (causal)
+            const Index visible = cached + b0 + i + 1;
+            auto row = scores.row(i);
+            row.head(visible) *= scale;
+            const float mx = row.head(visible).maxCoeff();
+            row.head(visible) = (row.head(visible).array() - mx).exp();
+            row.head(visible) /= row.head(visible).sum();
+            row.tail(visible_end - visible).setZero();
+          }
+          attn.block(b0, qh * d, bn, d).noalias() = scores * values.topRows(visible_end);
+        }
+      }
+    }
+    x.noalias() += attn * w.wo.transpose();
+
+    // SwiGLU MLP.
+    h = rms_norm(x, w.mlp_norm);
+    Matrix gate = h * w.w_gate.transpose();
+    const Matrix up = h * w.w_up.transpose();
+    gate = (gate.array() / (1.0f + (-gate.array()).exp()) * up.array()).matrix();
+    x.noalias() += gate * w.w_down.transpose();
+  }
+
+  const Model* model_;
+  Index window_;
+  KVCache cache_;
+  Index next_position_ = 0;
+  Index window_filled_ = 0;                         // valid rows of window_queries_ (min(window_, positions run))
+  std::vector<std::vector<float>> window_queries_;  // per layer [H, window_, d]
+  Matrix rope_cos_, rope_sin_;                      // [ctx, d / 2]
+};
+
+}  // namespace tinycode
