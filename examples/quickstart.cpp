@@ -1,0 +1,58 @@
+// The README's engine snippet, compiled and run: evict one layer of a token-major KV cache in place.
+
+#include <kvevict/kvevict.hpp>
+
+#include <cstdio>
+#include <random>
+#include <vector>
+
+// ---- the README snippet (keep in sync) ------------------------------------------------------------------------
+// One layer, after its prefill attention ran with the full cache. Views, no copies:
+//   q_win [H, w, d] post-RoPE queries of the last w prompt positions; k, v [L, Hkv, d] (token-major cache).
+kvevict::Selection evict_layer(const float* q_win, float* k, float* v, const float* w_o,
+                               kvevict::Index H, kvevict::Index Hkv, kvevict::Index L, kvevict::Index d,
+                               kvevict::Index hidden) {
+  kvevict::LayerInputs<float> in;
+  in.queries = kvevict::HeadsView<const float>::heads_major(q_win, H, 32, d);
+  in.keys = kvevict::kv_tokens_major<const float>(k, L, Hkv, d);
+  in.values = kvevict::kv_tokens_major<const float>(v, L, Hkv, d);
+  in.w_o = kvevict::output_projection(w_o, hidden, H, d);  // W_o [hidden, H * d]
+
+  static const kvevict::CriticalKV policy;                 // window 32, avg pooling, kernel 5, alpha 0.2
+  kvevict::Selection kept = policy.select(in, kvevict::Budget::keep_ratio(0.2));
+
+  // Compact in place: head h's kept rows move to rows [0, kept.length(h)), original order kept.
+  kept.compact(in.keys, kvevict::kv_tokens_major(k, L, Hkv, d));
+  kept.compact(in.values, kvevict::kv_tokens_major(v, L, Hkv, d));
+  return kept;  // kept.offsets() is cu_seqlens over heads; kept.indices() the original positions (for RoPE)
+}
+// ----------------------------------------------------------------------------------------------------------------
+
+int main() {
+  const kvevict::Index H = 8, Hkv = 2, L = 1000, d = 64, hidden = 512;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  auto random = [&](std::size_t n) {
+    std::vector<float> x(n);
+    for (float& e : x) e = normal(rng);
+    return x;
+  };
+  const std::vector<float> q = random(static_cast<std::size_t>(H * 32 * d)), w_o = random(static_cast<std::size_t>(hidden * H * d));
+  std::vector<float> k = random(static_cast<std::size_t>(L * Hkv * d)), v = random(k.size());
+  const std::vector<float> k0 = k;
+
+  const kvevict::Selection kept = evict_layer(q.data(), k.data(), v.data(), w_o.data(), H, Hkv, L, d, hidden);
+
+  // Check: the budget is met exactly and head h's compacted row r is the original row kept.head(h)[r].
+  int errors = kept.total() == Hkv * 200 ? 0 : 1;
+  for (kvevict::Index h = 0; h < Hkv; ++h)
+    for (kvevict::Index r = 0; r < kept.length(h); ++r)
+      for (kvevict::Index c = 0; c < d; ++c) {
+        const auto j = static_cast<kvevict::Index>(kept.head(h)[r]);
+        errors += k[static_cast<std::size_t>((r * Hkv + h) * d + c)] != k0[static_cast<std::size_t>((j * Hkv + h) * d + c)];
+      }
+  std::printf("quickstart: kept %ld of %ld tokens per KV head on average (heads: %ld, %ld), %d errors\n",
+              static_cast<long>(kept.total() / Hkv), static_cast<long>(L), static_cast<long>(kept.length(0)),
+              static_cast<long>(kept.length(1)), errors);
+  return errors == 0 ? 0 : 1;
+}
