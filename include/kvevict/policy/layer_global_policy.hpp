@@ -27,21 +27,22 @@ class LayerGlobalPolicy {
   };
 
   /// Scores layers one at a time (an engine can drop each layer's queries after add()), then apply() selects.
+  /// Holds a copy of the policy's parameters, so it may outlive the policy.
   template <class S, class T>
   class Plan {
    public:
-    Plan(const LayerGlobalPolicy& policy, const Budget& budget) : policy_(&policy), budget_(budget) {}
+    Plan(const LayerGlobalPolicy& policy, const Budget& budget) : policy_(policy), budget_(budget) {}
 
     /// Scores one layer (in model order). Throws kvevict::invalid_argument on bad shapes or budgets.
     void add(const LayerInputs<T>& in) {
       const char* where = "LayerGlobalPolicy::add";
-      const LayerShape shape = detail::validate_inputs(in, policy_->params_.window, where);
+      const LayerShape shape = detail::validate_inputs(in, policy_.params_.window, where);
       LayerBudget b = layer_budget(shape, budget_);
-      policy_->selector_.adjust_budget(b, shape, policy_->params_);
-      layers_.push_back(policy_->selector_.template score<S>(in, shape, policy_->params_, b));
+      policy_.selector_.adjust_budget(b, shape, policy_.params_);
+      layers_.push_back(policy_.selector_.template score<S>(in, shape, policy_.params_, b));
       shapes_.push_back(shape);
       total_ += shape.kv_heads * static_cast<Index>(b.n_kept);
-      if (policy_->params_.reference_quirks) {
+      if (policy_.params_.reference_quirks) {
         const double cr = detail::quirk_compression_ratio(b, where);
         detail::require(shapes_.front().tokens == shape.tokens && shapes_.front().kv_heads == shape.kv_heads, where,
                         "reference_quirks needs every layer to have the same tokens and KV heads, layer ",
@@ -56,19 +57,19 @@ class LayerGlobalPolicy {
       detail::require(!layers_.empty(), "LayerGlobalPolicy::apply", "no layer was added");
       std::vector<const ScoreMap<S>*> maps;
       for (const auto& l : layers_) maps.push_back(&l.allocation);
-      const Index total = policy_->params_.reference_quirks ? quirk_total_ : total_;
+      const Index total = policy_.params_.reference_quirks ? quirk_total_ : total_;
       const std::vector<std::vector<Index>> budgets = allocate_layer_global(maps, total);
       std::vector<Selection> out;
       KeepFlags keep;
       for (std::size_t l = 0; l < layers_.size(); ++l) {
-        policy_->selector_.select(layers_[l], budgets[l], keep);
+        policy_.selector_.select(layers_[l], budgets[l], keep);
         out.push_back(Selection::from_flags(keep, shapes_[l].kv_heads, shapes_[l].tokens));
       }
       return out;
     }
 
    private:
-    const LayerGlobalPolicy* policy_;
+    LayerGlobalPolicy policy_;  // a copy (small): the plan may outlive the policy it came from
     Budget budget_;
     std::vector<typename Selector::template Layer<S>> layers_;
     std::vector<LayerShape> shapes_;

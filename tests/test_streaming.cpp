@@ -1,0 +1,109 @@
+// allocation/streaming.hpp: the StreamingLLM baseline (sinks + recent tokens), against the reference.
+#include <catch2/catch.hpp>
+
+#include <kvevict/kvevict.hpp>
+
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "support/matchers.hpp"
+#include "support/random_inputs.hpp"
+
+using kvevict::Budget;
+using kvevict::Index;
+using kvevict::StreamingLLM;
+using kvevict_test::Kept;
+using kvevict_test::MessageContains;
+using kvevict_test::Rng;
+
+namespace {
+
+StreamingLLM with_sinks(Index sinks) {
+  StreamingLLM::Params p;
+  p.sinks = sinks;
+  return StreamingLLM(p);
+}
+
+}  // namespace
+
+TEST_CASE("StreamingLLM matches the reference for every budget form, sink count and shape", "[streaming]") {
+  Rng rng(91);
+  for (int t = 0; t < 60; ++t) {
+    const kvevict_test::Shape s = kvevict_test::random_shape(rng, t < 55 ? 200 : 5000);
+    for (int sinks : {0, 1, 4, 7, 64}) {
+      const StreamingLLM policy = with_sinks(sinks);
+      for (std::int64_t n : kvevict_test::budget_sweep(s, rng)) {
+        INFO(kvevict_test::describe(s) << " sinks=" << sinks << " n_kept=" << n);
+        const Kept want = kvevict_ref::streamingllm(s.Hkv, s.L, n, sinks);
+        const kvevict::Selection sel = policy.select(s.Hkv, s.L, Budget::tokens(n));
+        REQUIRE(kvevict_test::structure_errors(sel, s.Hkv, s.L) == "");
+        REQUIRE(kvevict_test::first_difference(kvevict_test::kept_of(sel), want) == "");
+        REQUIRE(sel.total() == s.Hkv * n);
+        const double keep = static_cast<double>(n) / s.L;
+        const std::int64_t nk = kvevict_ref::n_kept_from_keep_ratio(s.L, keep);
+        if (nk >= 1)
+          REQUIRE(kvevict_test::kept_of(policy.select(s.Hkv, s.L, Budget::keep_ratio(keep))) ==
+                  kvevict_ref::streamingllm(s.Hkv, s.L, nk, sinks));
+        const std::int64_t nc = kvevict_ref::n_kept_from_compression_ratio(s.L, 1.0 - keep);
+        if (nc >= 1 && keep > 0.0 && keep <= 1.0)
+          REQUIRE(kvevict_test::kept_of(policy.select(s.Hkv, s.L, Budget::compression_ratio(1.0 - keep))) ==
+                  kvevict_ref::streamingllm(s.Hkv, s.L, nc, sinks));
+      }
+    }
+  }
+}
+
+TEST_CASE("StreamingLLM: hand-worked cases", "[streaming]") {
+  const StreamingLLM s4;
+  CHECK(s4.params().sinks == 4);
+  CHECK(kvevict_test::kept_of(s4.select(2, 12, Budget::tokens(6))) == Kept{{0, 1, 2, 3, 10, 11}, {0, 1, 2, 3, 10, 11}});
+  // n_kept <= sinks: only sinks.
+  CHECK(kvevict_test::kept_of(s4.select(1, 12, Budget::tokens(3))) == Kept{{0, 1, 2}});
+  CHECK(kvevict_test::kept_of(s4.select(1, 12, Budget::tokens(4))) == Kept{{0, 1, 2, 3}});
+  // n_kept == L: everything.
+  CHECK(kvevict_test::kept_of(s4.select(1, 5, Budget::tokens(5))) == Kept{{0, 1, 2, 3, 4}});
+  // Zero sinks: recency only.
+  CHECK(kvevict_test::kept_of(with_sinks(0).select(1, 12, Budget::tokens(3))) == Kept{{9, 10, 11}});
+  // Spec budget: L = 1000, compression 0.8 -> 199 tokens per head.
+  CHECK(s4.select(3, 1000, Budget::compression_ratio(0.8)).total() == 3 * 199);
+}
+
+TEST_CASE("StreamingLLM reads only the keys' shape of LayerInputs", "[streaming]") {
+  Rng rng(92);
+  const kvevict_test::Shape s{8, 2, 4, 40, 16};
+  const kvevict_test::Layer l = kvevict_test::random_layer(s, rng);
+  const StreamingLLM policy;
+  for (auto layout : {kvevict_test::Layout::heads_major, kvevict_test::Layout::tokens_major}) {
+    const auto st = kvevict_test::store<float>(l, layout);
+    for (std::int64_t n : {1, 4, 5, 20, 40}) {
+      CHECK(kvevict_test::kept_of(policy.select(st.in, Budget::tokens(n))) ==
+            kvevict_test::kept_of(policy.select(s.Hkv, s.L, Budget::tokens(n))));
+      const kvevict::Selection a = policy.select(st.in, Budget::tokens(n));
+      CHECK(kvevict_test::kept_of(a) == kvevict_test::kept_of(policy.select(st.in, Budget::tokens(n))));  // determinism
+    }
+  }
+}
+
+TEST_CASE("StreamingLLM errors", "[streaming][errors]") {
+  StreamingLLM::Params p;
+  p.sinks = -1;
+  REQUIRE_THROWS_MATCHES(StreamingLLM(p), kvevict::invalid_argument,
+                         MessageContains("kvevict::StreamingLLM: sinks must be >= 0, got -1"));
+  const StreamingLLM s;
+  REQUIRE_THROWS_MATCHES(s.select(0, 10, Budget::tokens(1)), kvevict::invalid_argument,
+                         MessageContains("StreamingLLM needs kv_heads >= 1 and tokens >= 1, got 0 and 10"));
+  REQUIRE_THROWS_MATCHES(s.select(2, 0, Budget::tokens(1)), kvevict::invalid_argument,
+                         MessageContains("got 2 and 0"));
+  REQUIRE_THROWS_MATCHES(s.select(2, 10, Budget::tokens(0)), kvevict::invalid_argument,
+                         MessageContains("n_kept must be in [1, 10] (the context length), got 0"));
+  REQUIRE_THROWS_MATCHES(s.select(2, 10, Budget::tokens(11)), kvevict::invalid_argument,
+                         MessageContains("n_kept must be in [1, 10] (the context length), got 11"));
+  REQUIRE_THROWS_MATCHES(s.select(2, 10, Budget::keep_ratio(0.05)), kvevict::invalid_argument,
+                         MessageContains("got 0 from keep ratio 0.05"));
+  REQUIRE_THROWS_MATCHES(s.select(2, 10, Budget::compression_ratio(0.95)), kvevict::invalid_argument,
+                         MessageContains("got 0 from compression ratio 0.95"));
+  const kvevict::LayerInputs<float> empty;
+  REQUIRE_THROWS_MATCHES(s.select(empty, Budget::tokens(1)), kvevict::invalid_argument,
+                         MessageContains("StreamingLLM needs kv_heads >= 1"));
+}
