@@ -12,12 +12,15 @@ namespace kvevict {
 
 /// n_kept per KV head on average (window included), the total to distribute (Hkv * n_kept per layer unless a
 /// reference quirk says otherwise), the window size, and the compression ratio when the budget was given as one
-/// (NaN otherwise; only the reference quirks' formulas read it).
+/// (NaN otherwise; only the reference quirks' formulas read it), and whether the budget is shared across layers.
 struct LayerBudget {
   std::int64_t n_kept = 0;
   Index total = 0;
   Index window = 0;
   double compression_ratio = std::numeric_limits<double>::quiet_NaN();
+  /// True when one top-k over all layers allocates (LayerGlobalPolicy): forced and window entries must then
+  /// outrank every scored entry of every layer (ALGORITHMS.md 2.6, layer-global forcing).
+  bool shared_across_layers = false;
 };
 
 /// The budget of one layer of `shape`: n_kept from `budget` (throws unless 1 <= n_kept <= L), total Hkv * n_kept.

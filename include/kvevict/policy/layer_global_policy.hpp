@@ -38,6 +38,7 @@ class LayerGlobalPolicy {
       const char* where = "LayerGlobalPolicy::add";
       const LayerShape shape = detail::validate_inputs(in, policy_.params_.window, where);
       LayerBudget b = layer_budget(shape, budget_);
+      b.shared_across_layers = true;
       policy_.selector_.adjust_budget(b, shape, policy_.params_);
       layers_.push_back(policy_.selector_.template score<S>(in, shape, policy_.params_, b));
       shapes_.push_back(shape);

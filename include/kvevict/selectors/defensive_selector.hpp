@@ -15,11 +15,12 @@
 namespace kvevict {
 
 /// Scores s'[h][j] = M[h][j] * Nn[h][j] with M the defensive aggregation (2.3) and Nn[h][j] = N[h][j] / sum over
-/// KV heads of N[.][j] (2.4, no eps). Each head's mass-forced tokens (2.6) and the window are always kept:
-/// corrected (default), they rank above every scored token (tiers) and forcing is capped at n_kept - w;
-/// under reference_quirks they carry the layer maximum of s' (and can lose a layer-global top-k), the window
-/// bias is the reference's, the cap is int(P (1 - cr) - w) (negative: all but the last |cap|), and the flat
-/// totals are int(L (1 - cr) Hkv) per layer.
+/// KV heads of N[.][j] (2.4, no eps). Each head's mass-forced tokens (2.6) and the window carry the layer maximum
+/// of s' before the top-k (exact ties go to the more recent token). Corrected (default): forcing is capped at
+/// n_kept - w, and in a layer-global allocation forced and window tokens outrank every scored entry (+infinity).
+/// Under reference_quirks the window bias is the reference's, the cap is int(P (1 - cr) - w) (negative: all but the
+/// last |cap|), the flat totals are int(L (1 - cr) Hkv) per layer, and in a layer-global allocation forced and
+/// window tokens keep only their layer's maximum.
 /// `value_term = false` and `mass_forcing = false` give the paper's ablation (the defensive aggregation alone).
 struct DefensiveSelector {
   struct Params {
@@ -83,8 +84,13 @@ struct DefensiveSelector {
                             : std::max<Index>(0, static_cast<Index>(budget.n_kept) - shape.window);
       for (Index h = 0; h < shape.kv_heads; ++h) forced[static_cast<std::size_t>(h)] = mass.forced_tokens(h, tau, cap);
     }
-    if (common.reference_quirks) {
-      // The reference: forced tokens and the window carry the layer maximum of s'.
+    if (budget.shared_across_layers && !common.reference_quirks) {
+      // Layer-global, corrected: forced and window tokens outrank every scored entry of every layer (+infinity).
+      for (Index h = 0; h < shape.kv_heads; ++h)
+        for (Index j : forced[static_cast<std::size_t>(h)]) layer.allocation.promote(h, j, Tier::forced);
+    } else {
+      // 2.6 as written: forced tokens and the window carry the layer maximum of s', then one top-k in the 2.7 order
+      // (so a scored token that ties the maximum and is more recent can displace a forced one when they all tie).
       const S layer_max = scores.size() > 0 ? scores.maxCoeff() : S(0);
       for (Index h = 0; h < shape.kv_heads; ++h) {
         for (Index j : forced[static_cast<std::size_t>(h)]) layer.allocation.at(h, j) = layer_max;
@@ -93,9 +99,6 @@ struct DefensiveSelector {
           layer.allocation.at(h, j) = layer_max;
         }
       }
-    } else {
-      for (Index h = 0; h < shape.kv_heads; ++h)
-        for (Index j : forced[static_cast<std::size_t>(h)]) layer.allocation.promote(h, j, Tier::forced);
     }
     return layer;
   }

@@ -8,6 +8,7 @@
 #include "kvevict/core/error.hpp"
 #include "kvevict/core/inputs.hpp"
 #include "kvevict/core/views.hpp"
+#include "kvevict/observation/window_attention.hpp"
 
 namespace kvevict {
 
@@ -90,8 +91,10 @@ RowMatrix<S> value_norms(const KVView<const T>& values, const HeadsView<const T>
 
 namespace detail {
 
-/// Checks that the value-aware inputs are there and agree with the layer: values [Hkv, L, d] and
-/// W_o [H, D, d] (as output_projection() views W_o [D, H * d]).
+/// Checks that the value-aware inputs are there, agree with the layer and are finite: values [Hkv, L, d] and
+/// W_o [H, D, d] (as output_projection() views W_o [D, H * d]). A NaN must not vanish: the DefensiveKV value term
+/// would turn it into a zero weight, an L2 norm's clamp at 0 could swallow it, and a window token's norm is not
+/// always read. O(size of values and W_o), once.
 template <class T>
 void validate_value_inputs(const LayerInputs<T>& in, const LayerShape& s, const char* where) {
   require(in.values.heads() * in.values.rows() * in.values.cols() > 0, where,
@@ -101,6 +104,8 @@ void validate_value_inputs(const LayerInputs<T>& in, const LayerShape& s, const 
   require(in.w_o.heads() == s.query_heads && in.w_o.cols() == in.values.cols(), where,
           "w_o must have H * head_dim = ", s.query_heads, " * ", in.values.cols(), " columns, got ", in.w_o.heads(),
           " * ", in.w_o.cols());
+  require_finite(in.values, where, "values");
+  require_finite(in.w_o, where, "w_o");
 }
 
 }  // namespace detail
