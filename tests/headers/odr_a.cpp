@@ -1,0 +1,6 @@
+// ODR test, unit A: includes the umbrella header (through odr.hpp) and instantiates the presets.
+#include <kvevict/kvevict.hpp>
+
+#include "odr.hpp"
+
+kvevict_odr::Result kvevict_odr::run_a() { return run_presets<0>(); }
