@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "cli_run.hpp"
 #include "safetensors.hpp"
 #include "support/reference.hpp"
 
@@ -19,29 +20,9 @@ namespace st = kvevict::safetensors;
 
 namespace {
 
-struct Run {
-  int status;
-  std::string err;
-};
-
-fs::path scratch() {
-  static const fs::path dir = [] {
-    fs::path p = fs::temp_directory_path() / ("kvevict_cli_" + std::to_string(std::random_device{}()));
-    fs::create_directories(p);
-    return p;
-  }();
-  return dir;
-}
-
-Run run_cli(const std::string& args) {
-  const fs::path err = scratch() / "stderr.txt";
-  const std::string cmd = std::string("\"") + KVEVICT_SELECT_PATH + "\" " + args + " 2>\"" + err.string() + "\" >/dev/null";
-  const int raw = std::system(cmd.c_str());
-  std::ifstream in(err);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return {WIFEXITED(raw) ? WEXITSTATUS(raw) : 128, ss.str()};
-}
+using kvevict_cli_test::Run;
+using kvevict_cli_test::run_cli;
+using kvevict_cli_test::scratch;
 
 std::vector<double> randn(std::size_t n, std::mt19937_64& rng, double scale = 1.0) {
   std::normal_distribution<double> dist(0.0, scale);

@@ -18,6 +18,7 @@
 
 #include <sys/wait.h>
 
+#include "cli_run.hpp"
 #include "safetensors.hpp"
 #include "support/selector_inputs.hpp"
 
@@ -32,29 +33,9 @@ using kvevict_test::sz;
 
 namespace {
 
-struct Run {
-  int status;
-  std::string err;
-};
-
-fs::path scratch() {
-  static const fs::path dir = [] {
-    fs::path p = fs::temp_directory_path() / ("kvevict_cli_selectors_" + std::to_string(std::random_device{}()));
-    fs::create_directories(p);
-    return p;
-  }();
-  return dir;
-}
-
-Run run_cli(const std::string& args) {
-  const fs::path err = scratch() / "stderr.txt";
-  const std::string cmd = std::string("\"") + KVEVICT_SELECT_PATH + "\" " + args + " 2>\"" + err.string() + "\" >/dev/null";
-  const int raw = std::system(cmd.c_str());
-  std::ifstream in(err);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return {WIFEXITED(raw) ? WEXITSTATUS(raw) : 128, ss.str()};
-}
+using kvevict_cli_test::Run;
+using kvevict_cli_test::run_cli;
+using kvevict_cli_test::scratch;
 
 struct Layer {
   kvevict_test::VLayer l;
