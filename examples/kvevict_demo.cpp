@@ -27,6 +27,7 @@
 
 #include <kvevict/kvevict.hpp>
 
+#include "demo/report.hpp"
 #include "tinycode/engine.hpp"
 #include "tinycode/eval.hpp"
 
@@ -69,23 +70,53 @@ Compressor all_layers(Policy policy) {
   };
 }
 
+/// Where a policy's budget is exact, checked after every compression (the engine and the library must agree):
+/// each KV head keeps n_kept rows, each layer keeps Hkv * n_kept, or the model keeps n_layer * Hkv * n_kept.
+enum class BudgetScope { head, layer, model };
+
 struct PolicyEntry {
   const char* name;
   Compressor compress;  // empty: the full cache, no eviction
+  BudgetScope scope = BudgetScope::head;
+  bool ablation = false;  // run only when named in --policies or with --ablations
 };
+
+/// A preset with some of its parameters changed (the ablations).
+template <class Policy, class Edit>
+Policy with(Edit edit) {
+  typename Policy::Params p;
+  edit(p);
+  return Policy(p);
+}
 
 /// The policies the demo compares, one line each.
 const std::vector<PolicyEntry>& all_policies() {
   static const std::vector<PolicyEntry> policies = {
       {"full", {}},
-      {"streamingllm", per_layer(kvevict::StreamingLLM{})},
-      {"snapkv", per_layer(kvevict::SnapKV{})},
-      {"adakv", per_layer(kvevict::AdaKV{})},
-      {"criticalkv", per_layer(kvevict::CriticalKV{})},
-      {"criticalkv-snapkv", per_layer(kvevict::CriticalSnapKV{})},
-      {"defensivekv", per_layer(kvevict::DefensiveKV{})},
-      {"layer-defensivekv", all_layers(kvevict::LayerDefensiveKV{})},
-      {"adakv-defensive", per_layer(kvevict::AdaKVDefensive{})},
+      {"streamingllm", per_layer(kvevict::StreamingLLM{}), BudgetScope::head},
+      {"snapkv", per_layer(kvevict::SnapKV{}), BudgetScope::head},
+      {"adakv", per_layer(kvevict::AdaKV{}), BudgetScope::layer},
+      {"criticalkv", per_layer(kvevict::CriticalKV{}), BudgetScope::layer},
+      {"criticalkv-snapkv", per_layer(kvevict::CriticalSnapKV{}), BudgetScope::head},
+      {"defensivekv", per_layer(kvevict::DefensiveKV{}), BudgetScope::layer},
+      {"layer-defensivekv", all_layers(kvevict::LayerDefensiveKV{}), BudgetScope::model},
+      {"adakv-defensive", per_layer(kvevict::AdaKVDefensive{}), BudgetScope::layer},
+      // Ablations: which part of a policy helps or hurts on this model (and what the L2 Gram value term costs).
+      {"criticalkv+l2", per_layer(with<kvevict::CriticalKV>([](auto& p) { p.value_norm = kvevict::ValueNorm::l2; })),
+       BudgetScope::layer, true},
+      {"defensivekv+l2", per_layer(with<kvevict::DefensiveKV>([](auto& p) { p.value_norm = kvevict::ValueNorm::l2; })),
+       BudgetScope::layer, true},
+      {"defensivekv-no-value", per_layer(with<kvevict::DefensiveKV>([](auto& p) { p.value_term = false; })),
+       BudgetScope::layer, true},
+      {"defensivekv-no-mass", per_layer(with<kvevict::DefensiveKV>([](auto& p) { p.mass_forcing = false; })),
+       BudgetScope::layer, true},
+      {"defensivekv+safeguard", per_layer(with<kvevict::DefensiveKV>([](auto& p) { p.alpha = 0.2; })),
+       BudgetScope::layer, true},
+      {"layer-defensivekv+l2",
+       all_layers(with<kvevict::LayerDefensiveKV>([](auto& p) { p.value_norm = kvevict::ValueNorm::l2; })),
+       BudgetScope::model, true},
+      {"layer-defensivekv-no-value",
+       all_layers(with<kvevict::LayerDefensiveKV>([](auto& p) { p.value_term = false; })), BudgetScope::model, true},
   };
   return policies;
 }
@@ -94,11 +125,12 @@ const std::vector<PolicyEntry>& all_policies() {
 
 struct Options {
   std::filesystem::path model = KVEVICT_SOURCE_DIR "/models/tinycode";
-  int docs = 12;  // default subset: about a minute on 2 cores (Release)
-  int passkeys = 24;
+  int docs = 16;  // default subset: about a minute on 2 cores (Release)
+  int passkeys = 48;
   std::vector<double> keeps = {0.2, 0.1, 0.05};
   std::vector<std::string> policies;  // empty: all
-  std::string json;
+  std::string json, svg, replot;
+  bool check = false, ablations = false;
   bool stepwise = false;
   unsigned threads = std::max(1u, std::thread::hardware_concurrency());
 };
@@ -106,7 +138,8 @@ struct Options {
 void usage(std::FILE* out) {
   std::fprintf(out,
                "usage: kvevict-demo [--docs N] [--passkeys M] [--keep R[,R...]] [--policies NAME[,NAME...]]\n"
-               "                    [--json FILE] [--model DIR] [--threads N] [--stepwise]\n"
+               "                    [--json FILE] [--svg FILE] [--replot FILE] [--check] [--ablations]\n"
+               "                    [--model DIR] [--threads N] [--stepwise]\n"
                "  --docs N        continuation loss on the first N of the 64 eval docs (default %d)\n"
                "  --passkeys M    passkey retrieval on the first M of the 192 records (default %d)\n"
                "  --keep LIST     keep ratios (default 0.2,0.1,0.05): n_kept = floor(keep * context length)\n"
@@ -115,6 +148,11 @@ void usage(std::FILE* out) {
   for (const auto& p : all_policies()) std::fprintf(out, " %s", p.name);
   std::fprintf(out,
                "\n  --json FILE     one record per (policy, keep)\n"
+               "  --ablations     also run the ablations (names with + or -no-: one part of a policy changed)\n"
+               "  --svg FILE      chart: loss increase and passkey accuracy against keep, one line per policy\n"
+               "  --replot FILE   no run: print the table (and --svg) of a --json FILE written earlier\n"
+               "  --check         exit 1 unless every number is finite and the full cache reproduces the reference\n"
+               "                  per-doc losses of eval/full_cache_nll.json within 1e-3 (the CI smoke test)\n"
                "  --model DIR     model directory (default: the vendored models/tinycode)\n"
                "  --threads N     docs and passkey records run in parallel on N threads (default: all cores)\n"
                "  --stepwise      run the continuation one decoding step at a time (slower, same numbers)\n"
@@ -164,6 +202,14 @@ Options parse(int argc, char** argv) {
       o.policies = split(value());
     } else if (a == "--json") {
       o.json = value();
+    } else if (a == "--svg") {
+      o.svg = value();
+    } else if (a == "--replot") {
+      o.replot = value();
+    } else if (a == "--check") {
+      o.check = true;
+    } else if (a == "--ablations") {
+      o.ablations = true;
     } else if (a == "--model") {
       o.model = value();
     } else if (a == "--threads") {
@@ -202,6 +248,33 @@ struct Outcome {
   std::vector<Index> kept;  // cache rows per (layer, KV head) after eviction
 };
 
+/// The budget contract of `policy` (see BudgetScope) on the selections it made for every layer; throws if the
+/// library handed back something the engine did not ask for. (Shapes are checked again by the cache's compact().)
+void check_budget(const PolicyEntry& policy, const Engine& engine, const std::vector<kvevict::Selection>& selections,
+                  Index n_kept) {
+  const auto& c = engine.model().config;
+  const auto fail = [&](const std::string& what) {
+    throw std::logic_error(std::string(policy.name) + ": " + what + " (n_kept " + std::to_string(n_kept) + ")");
+  };
+  if (static_cast<Index>(selections.size()) != c.n_layer) fail("not one selection per layer");
+  Index model_total = 0;
+  for (Index l = 0; l < c.n_layer; ++l) {
+    const kvevict::Selection& s = selections[static_cast<std::size_t>(l)];
+    if (s.heads() != c.n_kv_head) fail("layer " + std::to_string(l) + ": selection over the wrong number of heads");
+    Index layer_total = 0;
+    for (Index h = 0; h < s.heads(); ++h) {
+      if (policy.scope == BudgetScope::head && s.length(h) != n_kept)
+        fail("layer " + std::to_string(l) + " head " + std::to_string(h) + " keeps " + std::to_string(s.length(h)));
+      layer_total += s.length(h);
+    }
+    if (policy.scope == BudgetScope::layer && layer_total != c.n_kv_head * n_kept)
+      fail("layer " + std::to_string(l) + " keeps " + std::to_string(layer_total) + " rows");
+    model_total += layer_total;
+  }
+  if (policy.scope == BudgetScope::model && model_total != c.n_layer * c.n_kv_head * n_kept)
+    fail("the model keeps " + std::to_string(model_total) + " rows");
+}
+
 /// Compresses a copy of `prefilled` (a prefilled context) with `run`'s policy, then runs `after` on it.
 Outcome continue_with(const RunConfig& run, const Engine& prefilled, const tinycode::eval::Tokens& after,
                       bool stepwise) {
@@ -212,6 +285,7 @@ Outcome continue_with(const RunConfig& run, const Engine& prefilled, const tinyc
     const auto t0 = clock_type::now();
     const std::vector<kvevict::Selection> selections = run.policy->compress(engine, budget);
     out.select_ms = ms_since(t0);
+    check_budget(*run.policy, engine, selections, static_cast<Index>(budget.n_kept(engine.cache().length(0, 0))));
     engine.evict(selections);
   }
   out.kept = engine.kept_lengths();
@@ -286,10 +360,20 @@ void parallel_for(std::size_t n, unsigned threads, F&& f) {
   if (error) std::rethrow_exception(error);
 }
 
-std::string percent(double keep) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%g%%", keep * 100.0);
-  return buf;
+/// What every run ends with (and all that --replot does): the JSON, the chart and the smoke checks.
+int finish(const Options& opt, const std::vector<demo::Record>& records) {
+  if (!opt.json.empty()) demo::write_json(opt.json, records);
+  if (!opt.svg.empty()) demo::write_chart(opt.svg, records);
+  if (opt.check) {
+    nlohmann::json reference;
+    std::ifstream(opt.model / "eval" / "full_cache_nll.json") >> reference;
+    const std::vector<std::string> failures = demo::check_records(records, reference);
+    for (const std::string& f : failures) std::fprintf(stderr, "kvevict-demo --check: %s\n", f.c_str());
+    if (!failures.empty()) return 1;
+    std::printf("--check: every number finite, full-cache losses of %ld docs within 1e-3 of the reference\n",
+                records.empty() ? 0L : records.front().docs);
+  }
+  return 0;
 }
 
 }  // namespace
@@ -297,17 +381,22 @@ std::string percent(double keep) {
 int main(int argc, char** argv) {
   try {
     const Options opt = parse(argc, argv);
+    if (!opt.replot.empty()) {
+      const std::vector<demo::Record> records = demo::read_json(opt.replot);
+      demo::print_table(stdout, records);
+      return finish(opt, records);
+    }
     const auto t_start = clock_type::now();
     const tinycode::Model model = tinycode::Model::load(opt.model);
     const auto docs = tinycode::eval::load_docs(opt.model / "eval" / "docs.bin");
-    const auto records = tinycode::eval::load_passkeys(opt.model / "eval" / "passkeys.bin");
+    const auto passkeys = tinycode::eval::load_passkeys(opt.model / "eval" / "passkeys.bin");
     const std::size_t n_docs = std::min(static_cast<std::size_t>(opt.docs), docs.size());
-    const std::size_t n_keys = std::min(static_cast<std::size_t>(opt.passkeys), records.size());
+    const std::size_t n_keys = std::min(static_cast<std::size_t>(opt.passkeys), passkeys.size());
 
     std::vector<RunConfig> runs;
     for (const auto& p : all_policies()) {
-      if (!opt.policies.empty() && std::find(opt.policies.begin(), opt.policies.end(), p.name) == opt.policies.end())
-        continue;
+      const bool named = std::find(opt.policies.begin(), opt.policies.end(), p.name) != opt.policies.end();
+      if (opt.policies.empty() ? p.ablation && !opt.ablations : !named) continue;
       if (!p.compress)
         runs.push_back({&p, 1.0});
       else
@@ -319,7 +408,7 @@ int main(int argc, char** argv) {
     std::printf("continuation loss: docs 0..%zu (%zu of %zu; context 1536 bytes, loss over bytes 1536..2047)\n",
                 n_docs ? n_docs - 1 : 0, n_docs, docs.size());
     std::printf("passkey retrieval: records 0..%zu (%zu of %zu; context = the ~1.8 KB before the question)%s\n",
-                n_keys ? n_keys - 1 : 0, n_keys, records.size(), opt.stepwise ? "; stepwise decoding" : "");
+                n_keys ? n_keys - 1 : 0, n_keys, passkeys.size(), opt.stepwise ? "; stepwise decoding" : "");
     std::fflush(stdout);
 
     // Every doc and every passkey record is an independent task (its own engine); results land in fixed slots.
@@ -331,7 +420,7 @@ int main(int argc, char** argv) {
       if (t < n_docs)
         doc_results[t] = run_doc(model, docs[t], runs, opt.stepwise);
       else
-        key_results[t - n_docs] = run_passkey(model, records[t - n_docs], runs, opt.stepwise);
+        key_results[t - n_docs] = run_passkey(model, passkeys[t - n_docs], runs, opt.stepwise);
       const std::lock_guard<std::mutex> lock(print_mutex);
       std::fprintf(stderr, "\r  %zu/%zu docs + passkeys (%.0f s)", ++done, n_docs + n_keys, ms_since(t_start) / 1000.0);
     });
@@ -341,26 +430,20 @@ int main(int argc, char** argv) {
     const double docs_d = std::max(1.0, static_cast<double>(n_docs));
     double prefill_ms = 0;
     for (const DocResult& d : doc_results) prefill_ms += d.prefill_ms / docs_d;
-    std::vector<double> losses(runs.size(), 0.0);
-    double full_loss = -1;
-    for (std::size_t c = 0; c < runs.size(); ++c) {
-      for (const DocResult& d : doc_results) losses[c] += d.loss[c] / docs_d;
-      if (runs[c].full()) full_loss = losses[c];
-    }
     const auto context_len = static_cast<Index>(tinycode::eval::ContinuationTask::context_len);
-
-    std::printf("\n%-17s %5s %6s %8s %8s %8s %8s %9s %10s %7s  %s\n", "policy", "keep", "n_kept", "loss", "vs full",
-                "ident", "assert", "select ms", "prefill ms", "sel/pf", "kept/head mean [min, max]");
-    nlohmann::json out = nlohmann::json::array();
+    std::vector<demo::Record> records;
     for (std::size_t c = 0; c < runs.size(); ++c) {
-      const RunConfig& run = runs[c];
-      const double increase = full_loss > 0 ? (losses[c] - full_loss) / full_loss * 100.0 : 0.0;
-      std::vector<double> doc_losses;
-      double select_ms = 0;
+      demo::Record r;
+      r.policy = runs[c].policy->name;
+      r.keep = runs[c].keep;
+      r.n_kept = static_cast<long>(kvevict::Budget::keep_ratio(r.keep).n_kept(context_len));
+      r.docs = static_cast<long>(n_docs);
+      r.prefill_ms = prefill_ms;
       Index kept_min = std::numeric_limits<Index>::max(), kept_max = 0, kept_sum = 0, kept_count = 0;
       for (const DocResult& d : doc_results) {
-        doc_losses.push_back(d.loss[c]);
-        select_ms += d.select_ms[c] / docs_d;
+        r.doc_losses.push_back(d.loss[c]);
+        r.loss += d.loss[c] / docs_d;
+        r.select_ms += d.select_ms[c] / docs_d;
         for (Index k : d.kept[c]) {
           kept_min = std::min(kept_min, k);
           kept_max = std::max(kept_max, k);
@@ -368,48 +451,28 @@ int main(int argc, char** argv) {
           ++kept_count;
         }
       }
-      if (kept_count == 0) kept_min = 0;
-      const double kept_mean = kept_count ? static_cast<double>(kept_sum) / static_cast<double>(kept_count) : 0.0;
-      int solved[2] = {0, 0}, total[2] = {0, 0};  // ident, assert
-      for (std::size_t r = 0; r < n_keys; ++r) {
-        const int kind = records[r].kind == "ident" ? 0 : 1;
-        total[kind] += 1;
-        solved[kind] += key_results[r][c] ? 1 : 0;
+      r.kept_min = kept_count ? static_cast<long>(kept_min) : 0;
+      r.kept_max = static_cast<long>(kept_max);
+      r.kept_mean = kept_count ? static_cast<double>(kept_sum) / static_cast<double>(kept_count) : 0.0;
+      for (std::size_t k = 0; k < n_keys; ++k) {
+        const bool ident = passkeys[k].kind == "ident";
+        (ident ? r.ident_total : r.assert_total) += 1;
+        (ident ? r.ident_solved : r.assert_solved) += key_results[k][c] ? 1 : 0;
       }
-      const auto n_kept = static_cast<Index>(kvevict::Budget::keep_ratio(run.keep).n_kept(context_len));
-
-      char ident[32], asrt[32], vs[32], kept[64];
-      std::snprintf(ident, sizeof ident, "%d/%d", solved[0], total[0]);
-      std::snprintf(asrt, sizeof asrt, "%d/%d", solved[1], total[1]);
-      std::snprintf(vs, sizeof vs, "%+.2f%%", increase);
-      std::snprintf(kept, sizeof kept, "%.1f [%ld, %ld]", kept_mean, static_cast<long>(kept_min),
-                    static_cast<long>(kept_max));
-      std::printf("%-17s %5s %6ld %8.4f %8s %8s %8s %9.2f %10.1f %6.2f%%  %s\n", run.policy->name,
-                  percent(run.keep).c_str(), static_cast<long>(n_kept), losses[c], vs, ident, asrt, select_ms,
-                  prefill_ms, prefill_ms > 0 ? select_ms / prefill_ms * 100.0 : 0.0, kept);
-      out.push_back({{"policy", run.policy->name},
-                     {"keep", run.keep},
-                     {"n_kept", n_kept},
-                     {"docs", n_docs},
-                     {"loss", losses[c]},
-                     {"doc_losses", doc_losses},
-                     {"loss_increase_pct", increase},
-                     {"passkey_ident", {solved[0], total[0]}},
-                     {"passkey_assert", {solved[1], total[1]}},
-                     {"select_ms", select_ms},
-                     {"prefill_ms", prefill_ms},
-                     {"kept_per_head", {{"mean", kept_mean}, {"min", kept_min}, {"max", kept_max}}}});
+      records.push_back(std::move(r));
     }
+    const auto full = std::find_if(records.begin(), records.end(), [](const demo::Record& r) { return r.full(); });
+    if (full != records.end() && full->loss > 0)
+      for (demo::Record& r : records) r.loss_increase_pct = (r.loss - full->loss) / full->loss * 100.0;
+
+    std::printf("\n");
+    demo::print_table(stdout, records);
     std::printf(
         "\nselect ms: the policy's time for all 10 layers of one doc; prefill ms: the full prefill of one doc's\n"
         "1536-byte context (both means per doc, one thread each); kept/head: cache rows per (layer, KV head)\n"
         "after eviction, over all docs. Total %.1f s.\n",
         ms_since(t_start) / 1000.0);
-    if (!opt.json.empty()) {
-      std::ofstream file(opt.json);
-      if (!file) throw std::runtime_error(opt.json + ": cannot open for writing");
-      file << out.dump(1) << "\n";
-    }
+    return finish(opt, records);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kvevict-demo: %s\n", e.what());
     return 1;

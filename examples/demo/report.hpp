@@ -1,0 +1,188 @@
+#pragma once
+/// What kvevict-demo reports per (policy, keep): the Record, its JSON form (`--json`, read back by `--replot`),
+/// the printed table, the chart (`--svg`) and the smoke checks (`--check`).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "demo/svg_chart.hpp"
+
+namespace demo {
+
+/// One (policy, keep) configuration's results, averaged over the docs (loss) or summed over the records (passkeys).
+struct Record {
+  std::string policy;  // the kvevict-select policy name; "full" for the full cache
+  double keep = 1;     // keep ratio; 1 for the full cache
+  long n_kept = 0;     // floor(keep * context length)
+  long docs = 0;
+  double loss = 0;  // mean continuation NLL (nats/byte)
+  std::vector<double> doc_losses;
+  double loss_increase_pct = 0;  // vs the full cache
+  int ident_solved = 0, ident_total = 0, assert_solved = 0, assert_total = 0;
+  double select_ms = 0, prefill_ms = 0;  // per doc: the policy (all layers) and the full prefill
+  double kept_mean = 0;                  // cache rows per (layer, KV head) after eviction, over all docs
+  long kept_min = 0, kept_max = 0;
+
+  bool full() const { return policy == "full"; }
+};
+
+inline nlohmann::json to_json(const Record& r) {
+  return {{"policy", r.policy},
+          {"keep", r.keep},
+          {"n_kept", r.n_kept},
+          {"docs", r.docs},
+          {"loss", r.loss},
+          {"doc_losses", r.doc_losses},
+          {"loss_increase_pct", r.loss_increase_pct},
+          {"passkey_ident", {r.ident_solved, r.ident_total}},
+          {"passkey_assert", {r.assert_solved, r.assert_total}},
+          {"select_ms", r.select_ms},
+          {"prefill_ms", r.prefill_ms},
+          {"kept_per_head", {{"mean", r.kept_mean}, {"min", r.kept_min}, {"max", r.kept_max}}}};
+}
+
+inline Record from_json(const nlohmann::json& j) {
+  Record r;
+  r.policy = j.at("policy").get<std::string>();
+  r.keep = j.at("keep").get<double>();
+  r.n_kept = j.at("n_kept").get<long>();
+  r.docs = j.at("docs").get<long>();
+  r.loss = j.at("loss").get<double>();
+  r.doc_losses = j.at("doc_losses").get<std::vector<double>>();
+  r.loss_increase_pct = j.at("loss_increase_pct").get<double>();
+  r.ident_solved = j.at("passkey_ident").at(0).get<int>();
+  r.ident_total = j.at("passkey_ident").at(1).get<int>();
+  r.assert_solved = j.at("passkey_assert").at(0).get<int>();
+  r.assert_total = j.at("passkey_assert").at(1).get<int>();
+  r.select_ms = j.at("select_ms").get<double>();
+  r.prefill_ms = j.at("prefill_ms").get<double>();
+  r.kept_mean = j.at("kept_per_head").at("mean").get<double>();
+  r.kept_min = j.at("kept_per_head").at("min").get<long>();
+  r.kept_max = j.at("kept_per_head").at("max").get<long>();
+  return r;
+}
+
+inline void write_json(const std::string& path, const std::vector<Record>& records) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const Record& r : records) out.push_back(to_json(r));
+  std::ofstream file(path);
+  if (!file) throw std::runtime_error(path + ": cannot open for writing");
+  file << out.dump(1) << "\n";
+}
+
+inline std::vector<Record> read_json(const std::string& path) {
+  std::ifstream file(path);
+  if (!file) throw std::runtime_error(path + ": cannot open for reading");
+  try {
+    const nlohmann::json j = nlohmann::json::parse(file);
+    if (!j.is_array()) throw std::runtime_error(path + ": expected a JSON array of records");
+    std::vector<Record> out;
+    for (const auto& item : j) out.push_back(from_json(item));
+    return out;
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error(path + ": not a kvevict-demo --json file (" + e.what() + ")");
+  }
+}
+
+inline std::string percent(double keep) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g%%", keep * 100.0);
+  return buf;
+}
+
+inline void print_table(std::FILE* out, const std::vector<Record>& records) {
+  std::fprintf(out, "%-17s %5s %6s %8s %8s %8s %8s %9s %10s %7s  %s\n", "policy", "keep", "n_kept", "loss", "vs full",
+               "ident", "assert", "select ms", "prefill ms", "sel/pf", "kept/head mean [min, max]");
+  for (const Record& r : records) {
+    char ident[32], asrt[32], vs[32], kept[64];
+    std::snprintf(ident, sizeof ident, "%d/%d", r.ident_solved, r.ident_total);
+    std::snprintf(asrt, sizeof asrt, "%d/%d", r.assert_solved, r.assert_total);
+    std::snprintf(vs, sizeof vs, "%+.2f%%", r.loss_increase_pct);
+    std::snprintf(kept, sizeof kept, "%.1f [%ld, %ld]", r.kept_mean, r.kept_min, r.kept_max);
+    std::fprintf(out, "%-17s %5s %6ld %8.4f %8s %8s %8s %9.2f %10.1f %6.2f%%  %s\n", r.policy.c_str(),
+                 percent(r.keep).c_str(), r.n_kept, r.loss, vs, ident, asrt, r.select_ms, r.prefill_ms,
+                 r.prefill_ms > 0 ? r.select_ms / r.prefill_ms * 100.0 : 0.0, kept);
+  }
+}
+
+/// Two panels: continuation-loss increase and passkey accuracy (both kinds), against the keep ratio, one line per
+/// policy; the full cache is a dashed line in the passkey panel.
+inline void write_chart(const std::string& path, const std::vector<Record>& records) {
+  Panel loss{"continuation loss vs the full cache", "keep (share of the context cached)", "loss increase (%)", {},
+             {}, "%"};
+  Panel keys{"passkey retrieval", "keep (share of the context cached)", "solved (%, ident + assert)", {}, {}, "%"};
+  const Record* full = nullptr;
+  std::vector<std::string> names;
+  for (const Record& r : records) {
+    if (r.full()) full = &r;
+    else if (std::find(names.begin(), names.end(), r.policy) == names.end()) names.push_back(r.policy);
+  }
+  std::vector<double> all_x;
+  for (const std::string& name : names) {
+    std::vector<const Record*> rs;
+    for (const Record& r : records)
+      if (r.policy == name) rs.push_back(&r);
+    std::sort(rs.begin(), rs.end(), [](const Record* a, const Record* b) { return a->keep < b->keep; });
+    Series l{name, {}, {}}, k{name, {}, {}};
+    for (const Record* r : rs) {
+      const double x = r->keep * 100.0;
+      all_x.push_back(x);
+      l.x.push_back(x), l.y.push_back(r->loss_increase_pct);
+      const int total = r->ident_total + r->assert_total;
+      if (total > 0) k.x.push_back(x), k.y.push_back(100.0 * (r->ident_solved + r->assert_solved) / total);
+    }
+    loss.series.push_back(l);
+    if (!k.x.empty()) keys.series.push_back(k);
+  }
+  std::sort(all_x.begin(), all_x.end());
+  all_x.erase(std::unique(all_x.begin(), all_x.end()), all_x.end());
+  loss.x_ticks = keys.x_ticks = all_x;
+  if (full && !all_x.empty() && full->ident_total + full->assert_total > 0) {
+    const double y = 100.0 * (full->ident_solved + full->assert_solved) / (full->ident_total + full->assert_total);
+    keys.series.insert(keys.series.begin(), Series{"full", {all_x.front(), all_x.back()}, {y, y}, true});
+  }
+  std::ofstream file(path);
+  if (!file) throw std::runtime_error(path + ": cannot open for writing");
+  write_svg(file, {loss, keys});
+}
+
+/// The smoke checks of `--check`: every number finite, and the full cache's per-doc losses equal to the
+/// reference `after_prefix` losses of eval/full_cache_nll.json (within `tolerance`). Returns the failures.
+inline std::vector<std::string> check_records(const std::vector<Record>& records, const nlohmann::json& reference,
+                                              double tolerance = 1e-3) {
+  std::vector<std::string> failures;
+  const auto fail = [&](const Record& r, const std::string& what) {
+    failures.push_back(r.policy + " at " + percent(r.keep) + ": " + what);
+  };
+  bool have_full = false;
+  for (const Record& r : records) {
+    for (double v : {r.loss, r.loss_increase_pct, r.select_ms, r.prefill_ms, r.kept_mean})
+      if (!std::isfinite(v)) fail(r, "a non-finite number in the record");
+    for (double v : r.doc_losses)
+      if (!std::isfinite(v)) fail(r, "a non-finite doc loss");
+    if (static_cast<long>(r.doc_losses.size()) != r.docs) fail(r, "doc_losses has the wrong length");
+    if (!r.full()) continue;
+    have_full = true;
+    const auto& docs = reference.at("docs");
+    for (std::size_t d = 0; d < r.doc_losses.size(); ++d) {
+      const double want = docs.at(d).at("after_prefix").get<double>();
+      if (!(std::abs(r.doc_losses[d] - want) <= tolerance)) {
+        char buf[160];
+        std::snprintf(buf, sizeof buf, "doc %zu loss %.6f drifted from the reference %.6f (tolerance %g)", d,
+                      r.doc_losses[d], want, tolerance);
+        fail(r, buf);
+      }
+    }
+  }
+  if (!have_full) failures.push_back("--check needs the full cache among the policies");
+  return failures;
+}
+
+}  // namespace demo
