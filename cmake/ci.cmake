@@ -10,7 +10,7 @@ if(NOT EXISTS "${PROJECT_SOURCE_DIR}/CMakePresets.json")
   message(FATAL_ERROR "KVEVICT_CI needs ${PROJECT_SOURCE_DIR}/CMakePresets.json")
 endif()
 
-set(KVEVICT_CI_WORKFLOWS "dev;clang;asan" CACHE STRING "Workflow presets the ci preset runs, in order")
+set(KVEVICT_CI_WORKFLOWS "dev;clang;asan;fuzz" CACHE STRING "Workflow presets the ci preset runs, in order")
 set(KVEVICT_CI_TIMEOUT 5400 CACHE STRING "Seconds each workflow of the ci preset may take")
 
 enable_testing()

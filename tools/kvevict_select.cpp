@@ -23,132 +23,14 @@
 #include "kvevict/kvevict.hpp"
 #include "safetensors.hpp"
 #include "select_options.hpp"
+#include "select_run.hpp"
 
 namespace {
 
 namespace st = kvevict::safetensors;
-using kvevict::Index;
-using kvevict::tools::Options;
 
-struct usage_error : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-struct input_error : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-/// Number of layers: layers.{i}.keys must exist for i = 0 .. NL-1 and for no other i.
-Index count_layers(const st::file& in) {
-  Index n = 0;
-  while (in.find("layers." + std::to_string(n) + ".keys")) ++n;
-  if (n == 0) throw input_error("no tensor 'layers.0.keys' in the input; expected layers.{i}.keys [kv_heads, tokens, head_dim]");
-  for (const auto& t : in.tensors()) {
-    const std::string& name = t.name;
-    if (name.rfind("layers.", 0) != 0) continue;
-    const auto dot = name.find('.', 7);
-    const std::string idx = name.substr(7, dot == std::string::npos ? std::string::npos : dot - 7);
-    char* end = nullptr;
-    const long long i = std::strtoll(idx.c_str(), &end, 10);
-    if (idx.empty() || *end != '\0' || i < 0 || i >= n)
-      throw input_error("tensor '" + name + "' does not belong to a layer 0.." + std::to_string(n - 1) +
-                        " (layers must be numbered contiguously from 0, each with a 'keys' tensor)");
-  }
-  return n;
-}
-
-/// A floating tensor of the given rank, converted to S, with its shape.
-template <class S>
-struct Loaded {
-  std::vector<S> data;
-  std::vector<std::int64_t> shape;
-};
-
-template <class S>
-std::optional<Loaded<S>> load(const st::file& in, const std::string& name, std::size_t rank, const char* dims) {
-  const st::tensor_info* t = in.find(name);
-  if (!t) return std::nullopt;
-  if (t->type != st::dtype::F64 && t->type != st::dtype::F32 && t->type != st::dtype::F16 && t->type != st::dtype::BF16)
-    throw input_error("tensor '" + name + "' has dtype " + st::dtype_name(t->type) + "; expected F64, F32, F16 or BF16");
-  if (t->shape.size() != rank)
-    throw input_error("tensor '" + name + "' has rank " + std::to_string(t->shape.size()) + "; expected rank " +
-                      std::to_string(rank) + " " + dims);
-  for (std::int64_t e : t->shape)
-    if (e == 0) throw input_error("tensor '" + name + "' is empty; expected " + dims + " with no zero extent");
-  return Loaded<S>{in.read_floats<S>(*t), t->shape};
-}
-
-std::string shape_str(const std::vector<std::int64_t>& s) {
-  std::string out = "[";
-  for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
-/// One layer's tensors converted to S, and the views the library reads.
-template <class S>
-struct LayerTensors {
-  std::optional<Loaded<S>> keys, values, queries, attention, w_o;
-  kvevict::LayerInputs<S> inputs;
-};
-
-template <class S>
-LayerTensors<S> load_layer(const Options& opt, const st::file& in, Index layer, std::optional<Index>& window) {
-  const std::string prefix = "layers." + std::to_string(layer) + ".";
-  LayerTensors<S> t;
-  t.keys = load<S>(in, prefix + "keys", 3, "[kv_heads, tokens, head_dim]");
-  t.values = load<S>(in, prefix + "values", 3, "[kv_heads, tokens, head_dim]");
-  t.queries = load<S>(in, prefix + "q_window", 3, "[heads, window, head_dim]");
-  t.attention = load<S>(in, prefix + "window_attention", 3, "[heads, window, tokens]");
-  t.w_o = load<S>(in, prefix + "w_o", 2, "[hidden, heads * head_dim]");
-  const Index Hkv = t.keys->shape[0], L = t.keys->shape[1], d = t.keys->shape[2];
-  kvevict::LayerInputs<S>& li = t.inputs;
-  li.keys = kvevict::kv_heads_major<const S>(t.keys->data.data(), Hkv, L, d);
-  if (t.values) {
-    if (t.values->shape[0] != Hkv || t.values->shape[1] != L)
-      throw input_error("tensor '" + prefix + "values' has shape " + shape_str(t.values->shape) + "; expected [" +
-                        std::to_string(Hkv) + ", " + std::to_string(L) + ", head_dim] like the keys");
-    li.values = kvevict::kv_heads_major<const S>(t.values->data.data(), Hkv, L, t.values->shape[2]);
-  }
-  if (t.queries && t.attention)
-    throw input_error("layer " + std::to_string(layer) + " has both 'q_window' and 'window_attention'; expected exactly one");
-  const bool needs_observation = opt.base != "streamingllm";
-  if (!t.queries && !t.attention && needs_observation)
-    throw input_error("missing tensor '" + prefix + "q_window' [heads, window, head_dim] (or '" + prefix +
-                      "window_attention' [heads, window, tokens])");
-  const Loaded<S>* obs = t.queries ? &*t.queries : t.attention ? &*t.attention : nullptr;
-  if (obs && needs_observation) {
-    const auto view = kvevict::HeadsView<const S>::heads_major(obs->data.data(), obs->shape[0], obs->shape[1], obs->shape[2]);
-    (t.queries ? li.queries : li.attention) = view;
-    if (!window) window = obs->shape[1];
-    if (*window != obs->shape[1])
-      throw input_error("--window " + std::to_string(*window) + " does not match the " + std::to_string(obs->shape[1]) +
-                        " window rows of '" + prefix + (t.queries ? "q_window'" : "window_attention'"));
-    const bool value_aware = opt.selector == "critical" || (opt.selector == "defensive" && !opt.aggregation_only);
-    if (value_aware) {
-      if (!t.values) throw input_error("missing tensor '" + prefix + "values' [kv_heads, tokens, head_dim]; the " + opt.policy + " policy needs it");
-      if (!t.w_o) throw input_error("missing tensor '" + prefix + "w_o' [hidden, heads * head_dim]; the " + opt.policy + " policy needs it");
-      const Index H = obs->shape[0], dv = t.values->shape[2];
-      if (t.w_o->shape[1] != H * dv)
-        throw input_error("tensor '" + prefix + "w_o' has shape " + shape_str(t.w_o->shape) + "; expected [hidden, " +
-                          std::to_string(H * dv) + "] (heads * head_dim)");
-      li.w_o = kvevict::output_projection<const S>(t.w_o->data.data(), t.w_o->shape[0], H, dv);
-    }
-  }
-  return t;
-}
-
-template <class S>
-int run(const Options& opt) {
-  const st::file in = st::file::open(opt.input);
-  const Index n_layers = count_layers(in);
-  std::optional<Index> window = opt.window;
-  std::vector<LayerTensors<S>> layers;
-  layers.reserve(static_cast<std::size_t>(n_layers));  // the views point into these buffers: no reallocation
-  std::vector<kvevict::LayerInputs<S>> inputs;
-  for (Index i = 0; i < n_layers; ++i) {
-    layers.push_back(load_layer<S>(opt, in, i, window));
-    inputs.push_back(layers.back().inputs);
-  }
-  const std::vector<kvevict::Selection> selections = kvevict::tools::run_policy<S>(opt, inputs, window.value_or(1));
+int run(const kvevict::tools::Options& opt) {
+  const std::vector<kvevict::Selection> selections = kvevict::tools::select_layers(opt, st::file::open(opt.input));
   std::vector<st::tensor_out> out;
   for (std::size_t i = 0; i < selections.size(); ++i) {
     const kvevict::Selection& sel = selections[i];
@@ -164,9 +46,9 @@ int run(const Options& opt) {
 
 int main(int argc, char** argv) {
   try {
-    const std::optional<Options> opt = kvevict::tools::parse_options(argc, argv);
+    const std::optional<kvevict::tools::Options> opt = kvevict::tools::parse_options(argc, argv);
     if (!opt) return 0;  // --help
-    return opt->precision == "f64" ? run<double>(*opt) : run<float>(*opt);
+    return run(*opt);
   } catch (const kvevict::tools::usage_error& e) {
     std::cerr << "kvevict-select: " << e.what() << " (see --help)\n";
     return 2;
