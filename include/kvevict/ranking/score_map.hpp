@@ -64,8 +64,10 @@ struct ScoreMap {
       for (Index j = 0; j < tokens; ++j)
         if (tier_of(h, j) == Tier::scored && !std::isfinite(at(h, j)))
           throw invalid_argument(detail::concat("kvevict::", where, ": score of KV head ", h, ", token ", j,
-                                                " is not finite (", at(h, j),
-                                                "); the inputs contain NaN or Inf values"));
+                                                " is not finite (", at(h, j), "): the scores overflowed ",
+                                                sizeof(S) == sizeof(float) ? "float" : "double",
+                                                " (inputs of huge magnitude; select<double>() computes in double)",
+                                                " or the inputs contain NaN or Inf values"));
   }
 };
 
