@@ -1,6 +1,6 @@
-# The `ci` configure preset (KVEVICT_CI=ON): the dev, clang and asan workflows of CMakePresets.json as this build
+# The `ci` configure preset (KVEVICT_CI=ON): the dev, clang, asan and fuzz workflows of CMakePresets.json as this build
 # tree's tests, run one after another by the `ci` test preset. CMake workflow presets allow a single configure
-# preset each, so `cmake --workflow --preset ci` (what CI and the README run) drives the three through CTest:
+# preset each, so `cmake --workflow --preset ci` (what CI and the README run) drives them through CTest:
 # each test runs `cmake --workflow --preset <name>` in the source tree, building into build/<name> exactly as a
 # developer running that workflow would.
 if(CMAKE_VERSION VERSION_LESS 3.25)
