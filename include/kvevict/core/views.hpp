@@ -18,7 +18,8 @@ using RowMatrix = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMaj
 /// Covers both engine layouts of a KV cache without copying:
 ///   heads-major (Hugging Face)   [kv_heads, tokens, head_dim]: head_stride = tokens * head_dim, row_stride = head_dim
 ///   tokens-major (llama.cpp, vLLM) [tokens, kv_heads, head_dim]: head_stride = head_dim, row_stride = kv_heads * head_dim
-/// T is the storage type (float or double; half and bfloat16 later), usually const-qualified.
+/// T is the storage type, usually const-qualified: float, double, Eigen::half or Eigen::bfloat16 (engines' KV
+/// caches); the library converts what it reads to its arithmetic type S (float unless select<double>()).
 template <class T>
 class HeadsView {
  public:
