@@ -1,13 +1,23 @@
-// Selection time of each policy on one layer of a real model shape, and its ratio to the floor: the
-// window-attention GEMM alone (Q_win[q] K[q/G]^T for every query head), timed in the same process.
+// Selection time of every policy on one layer of real model shapes, with the floors measured in the same process:
+//   x_floor   time / the window-attention GEMM alone (Q_win[q] K[q/G]^T for every query head)
+//   x_floors  (value-aware policies) time / (window-attention GEMM + the Gram-form value GEMM, V_h G_q for every
+//             query head): the sum of the two GEMM floors of issue 6
+// and, for the value term stage, its throughput against a plain Eigen GEMM of the same FLOPs (gemm_efficiency).
 //
 //   build/release/bench/kvevict_bench --benchmark_counters_tabular=true
+//   build/release/bench/kvevict_bench --benchmark_filter='Llama.*/4096/' (one context)
+//
+// Names: BM_<policy>/<model>/<storage>/<L>/<keep %>. Storage float32, float16 (Eigen::half) or bfloat16 for the
+// keys, values, window queries and W_o; arithmetic in float.
 
 #include <benchmark/benchmark.h>
+
+#include <Eigen/Core>
 
 #include <algorithm>
 #include <chrono>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kvevict/kvevict.hpp"
@@ -15,81 +25,223 @@
 namespace {
 
 using kvevict::Index;
+using clock_type = std::chrono::steady_clock;
 
-struct Shape {
-  const char* model;
-  Index H, Hkv, d;
+struct Model {
+  const char* name;
+  Index H, Hkv, d, D;
 };
-constexpr Shape kLlama8B{"Llama-3.1-8B", 32, 8, 128};
+constexpr Model kLlama8B{"Llama-3.1-8B", 32, 8, 128, 4096};
+constexpr Model kQwen32B{"Qwen2.5-32B", 40, 8, 128, 5120};
 constexpr Index kWindow = 32;
 
+template <class T>
+const char* storage_name() {
+  if constexpr (std::is_same_v<T, float>) return "f32";
+  else if constexpr (std::is_same_v<T, Eigen::half>) return "f16";
+  else return "bf16";
+}
+
+/// One layer in storage T: window queries [H, w, d], keys and values tokens-major [L, Hkv, d] (an engine's
+/// cache), W_o [D, H * d].
+template <class T>
 struct Layer {
-  std::vector<float> q, k, v;
-  kvevict::LayerInputs<float> in;
-  Layer(const Shape& s, Index L) {
+  Model m;
+  std::vector<T> q, k, v, w_o;
+  kvevict::LayerInputs<T> in;
+  Layer(const Model& model, Index L) : m(model) {
     std::mt19937 rng(42);
     std::normal_distribution<float> n(0.f, 1.f);
-    q.resize(static_cast<std::size_t>(s.H * kWindow * s.d));
-    k.resize(static_cast<std::size_t>(s.Hkv * L * s.d));
-    v.resize(k.size());
-    for (auto* buf : {&q, &k, &v})
-      for (float& x : *buf) x = n(rng);
-    in.queries = kvevict::HeadsView<const float>::heads_major(q.data(), s.H, kWindow, s.d);
-    in.keys = kvevict::kv_tokens_major<const float>(k.data(), L, s.Hkv, s.d);
-    in.values = kvevict::kv_tokens_major<const float>(v.data(), L, s.Hkv, s.d);
+    const auto fill = [&](std::vector<T>& x, std::size_t size, float scale) {
+      x.resize(size);
+      for (T& e : x) e = static_cast<T>(scale * n(rng));
+    };
+    fill(q, static_cast<std::size_t>(m.H * kWindow * m.d), 1.f);
+    fill(k, static_cast<std::size_t>(m.Hkv * L * m.d), 1.f);
+    fill(v, k.size(), 1.f);
+    fill(w_o, static_cast<std::size_t>(m.D * m.H * m.d), 0.02f);
+    in.queries = kvevict::HeadsView<const T>::heads_major(q.data(), m.H, kWindow, m.d);
+    in.keys = kvevict::kv_tokens_major<const T>(k.data(), L, m.Hkv, m.d);
+    in.values = kvevict::kv_tokens_major<const T>(v.data(), L, m.Hkv, m.d);
+    in.w_o = kvevict::output_projection<const T>(w_o.data(), m.D, m.H, m.d);
   }
 };
 
-/// The unavoidable part: the window logits GEMM of every query head, in seconds (best of 3).
-double floor_seconds(const Layer& layer, const Shape& s) {
-  kvevict::RowMatrix<float> logits(kWindow, layer.in.keys.rows());
+/// Best of 3 of `f()` in seconds.
+template <class F>
+double best_of_3(F&& f) {
   double best = 1e30;
   for (int rep = 0; rep < 3; ++rep) {
-    const auto t0 = std::chrono::steady_clock::now();
-    for (Index q = 0; q < s.H; ++q)
-      logits.noalias() = layer.in.queries.head(q) * layer.in.keys.head(q / (s.H / s.Hkv)).transpose();
-    benchmark::DoNotOptimize(logits.data());
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    const auto t0 = clock_type::now();
+    f();
+    best = std::min(best, std::chrono::duration<double>(clock_type::now() - t0).count());
   }
   return best;
 }
 
-template <class PolicyT>
-void BM_Policy_Select(benchmark::State& state) {
-  const Shape s = kLlama8B;
+/// Float GEMM floors on float copies of the layer (the floors do not pay for conversions).
+struct Floors {
+  double window = 0;  // Q_win[q] K[q/G]^T, every query head: 2 H w L d FLOPs
+  double gram = 0;    // V_h G_q, every query head: 2 H L d^2 FLOPs
+};
+
+Floors measure_floors(const Model& m, Index L) {
+  const Layer<float> f(m, L);
+  const Index G = m.H / m.Hkv;
+  Floors out;
+  kvevict::RowMatrix<float> logits(kWindow, L), projected(L, m.d);
+  const kvevict::RowMatrix<float> gram = kvevict::RowMatrix<float>::Random(m.d, m.d);
+  out.window = best_of_3([&] {
+    for (Index q = 0; q < m.H; ++q) logits.noalias() = f.in.queries.head(q) * f.in.keys.head(q / G).transpose();
+    benchmark::DoNotOptimize(logits.data());
+  });
+  out.gram = best_of_3([&] {
+    for (Index q = 0; q < m.H; ++q) projected.noalias() = f.in.values.head(q / G) * gram;
+    benchmark::DoNotOptimize(projected.data());
+  });
+  return out;
+}
+
+/// The policies, by name, with the value norm as a parameter where there is one.
+template <class P>
+P with_norm(kvevict::ValueNorm norm) {
+  typename P::Params p;
+  if constexpr (!std::is_same_v<P, kvevict::SnapKV> && !std::is_same_v<P, kvevict::AdaKV> &&
+                !std::is_same_v<P, kvevict::StreamingLLM>)
+    p.value_norm = norm;
+  return P(p);
+}
+
+template <class T, class Policy>
+void run_policy(benchmark::State& state, const Model& m, const Policy& policy, bool value_aware) {
   const Index L = state.range(0);
-  const double keep = static_cast<double>(state.range(1)) / 100.0;
-  const Layer layer(s, L);
-  const PolicyT policy;
+  const auto budget = kvevict::Budget::keep_ratio(static_cast<double>(state.range(1)) / 100.0);
+  const Layer<T> layer(m, L);
   double total = 0;
   for (auto _ : state) {
-    const auto t0 = std::chrono::steady_clock::now();
-    kvevict::Selection sel = policy.select(layer.in, kvevict::Budget::keep_ratio(keep));
-    total += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    benchmark::DoNotOptimize(sel.indices().data());
+    const auto t0 = clock_type::now();
+    if constexpr (std::is_same_v<Policy, kvevict::LayerDefensiveKV>) {
+      auto sel = policy.select(std::vector<kvevict::LayerInputs<T>>{layer.in}, budget);
+      benchmark::DoNotOptimize(sel.data());
+    } else {
+      kvevict::Selection sel = policy.select(layer.in, budget);
+      benchmark::DoNotOptimize(sel.indices().data());
+    }
+    total += std::chrono::duration<double>(clock_type::now() - t0).count();
   }
   const double per_iter = total / static_cast<double>(state.iterations());
-  state.counters["x_floor"] = per_iter / floor_seconds(layer, s);
-  state.SetLabel(s.model);
+  const Floors floors = measure_floors(m, L);
+  state.counters["x_floor"] = per_iter / floors.window;
+  if (value_aware) state.counters["x_floors"] = per_iter / (floors.window + floors.gram);
+  state.SetLabel(std::string(m.name) + " " + storage_name<T>());
 }
 
-void Args(benchmark::internal::Benchmark* b) {
-  for (Index L : {4096, 16384, 32768})
-    for (Index keep : {10, 20}) b->Args({L, keep});
-  b->Unit(benchmark::kMillisecond);
+/// The value term stage alone (N [Hkv, L]) and a plain float GEMM of the same FLOPs ([L, d] x [d, D] per query
+/// head for L1: 2 H L d D; [L, d] x [d, d] per query head for L2).
+void BM_ValueTerm(benchmark::State& state, const Model& m, kvevict::ValueNorm norm) {
+  const Index L = state.range(0);
+  const Layer<float> layer(m, L);
+  const Index G = m.H / m.Hkv;
+  kvevict::OutputGram<float> gram;
+  double total = 0;
+  for (auto _ : state) {
+    const auto t0 = clock_type::now();
+    if (norm == kvevict::ValueNorm::l2) gram = kvevict::OutputGram<float>::compute(layer.in.w_o);
+    const auto n = kvevict::value_norms<float>(layer.in.values, layer.in.w_o, G, norm, &gram);
+    benchmark::DoNotOptimize(n.data());
+    total += std::chrono::duration<double>(clock_type::now() - t0).count();
+  }
+  const double per_iter = total / static_cast<double>(state.iterations());
+  const Index cols = norm == kvevict::ValueNorm::l1 ? m.D : m.d;
+  const kvevict::RowMatrix<float> w = kvevict::RowMatrix<float>::Random(m.d, cols);
+  kvevict::RowMatrix<float> out(std::min<Index>(L, 4096), cols);
+  const double gemm = best_of_3([&] {
+    for (Index q = 0; q < m.H; ++q)
+      for (Index r0 = 0; r0 < L; r0 += out.rows()) {
+        const Index rows = std::min<Index>(out.rows(), L - r0);
+        out.topRows(rows).noalias() = layer.in.values.head(q / G).middleRows(r0, rows) * w;
+      }
+    benchmark::DoNotOptimize(out.data());
+  });
+  state.counters["gemm_efficiency"] = gemm / per_iter;  // >= 0.6 is issue 6's target for L1
+  state.counters["GFLOP/s"] = 2.0 * static_cast<double>(m.H * L * m.d * cols) / per_iter / 1e9;
+  state.SetLabel(std::string(m.name) + (norm == kvevict::ValueNorm::l1 ? " L1" : " L2 (Gram)"));
 }
 
-void BM_WindowAttention_Floor(benchmark::State& state) {
-  const Layer layer(kLlama8B, state.range(0));
-  for (auto _ : state) benchmark::DoNotOptimize(floor_seconds(layer, kLlama8B));
-  state.SetLabel("best of 3 inside");
+void BM_WindowAttentionFloor(benchmark::State& state, const Model& m) {
+  for (auto _ : state) benchmark::DoNotOptimize(measure_floors(m, state.range(0)).window);
+  state.SetLabel(std::string(m.name) + " best of 3 inside");
+}
+
+void register_all() {
+  const std::vector<Index> contexts = {4096, 16384, 32768, 65536};
+  const auto args = [&](benchmark::internal::Benchmark* b, Index max_L) {
+    for (Index L : contexts)
+      if (L <= max_L)
+        for (Index keep : {10, 20}) b->Args({L, keep});
+    b->Unit(benchmark::kMillisecond)->UseRealTime();
+  };
+  for (const Model* m : {&kLlama8B, &kQwen32B}) {
+    const std::string model = m->name;
+    const auto reg = [&](const std::string& name, auto fn, Index max_L) {
+      args(benchmark::RegisterBenchmark(("BM_" + name + "/" + model).c_str(), fn), max_L);
+    };
+    const Model mm = *m;
+    // Attention-only policies, every storage type.
+    reg("snapkv/f32", [mm](benchmark::State& s) { run_policy<float>(s, mm, kvevict::SnapKV{}, false); }, 65536);
+    reg("snapkv/f16", [mm](benchmark::State& s) { run_policy<Eigen::half>(s, mm, kvevict::SnapKV{}, false); }, 65536);
+    reg("snapkv/bf16", [mm](benchmark::State& s) { run_policy<Eigen::bfloat16>(s, mm, kvevict::SnapKV{}, false); },
+        65536);
+    reg("adakv/f32", [mm](benchmark::State& s) { run_policy<float>(s, mm, kvevict::AdaKV{}, false); }, 65536);
+    reg("streamingllm/f32", [mm](benchmark::State& s) { run_policy<float>(s, mm, kvevict::StreamingLLM{}, false); },
+        65536);
+    // Value-aware policies: the Gram (L2) form at every context, the papers' L1 form up to 16k (O(H L d D)).
+    using kvevict::ValueNorm;
+    reg("criticalkv-l2/f32",
+        [mm](benchmark::State& s) { run_policy<float>(s, mm, with_norm<kvevict::CriticalKV>(ValueNorm::l2), true); },
+        65536);
+    reg("defensivekv-l2/f32",
+        [mm](benchmark::State& s) { run_policy<float>(s, mm, with_norm<kvevict::DefensiveKV>(ValueNorm::l2), true); },
+        65536);
+    reg("layer-defensivekv-l2/f32",
+        [mm](benchmark::State& s) {
+          run_policy<float>(s, mm, with_norm<kvevict::LayerDefensiveKV>(ValueNorm::l2), true);
+        },
+        65536);
+    reg("defensivekv-l2/bf16",
+        [mm](benchmark::State& s) {
+          run_policy<Eigen::bfloat16>(s, mm, with_norm<kvevict::DefensiveKV>(ValueNorm::l2), true);
+        },
+        65536);
+    reg("criticalkv-l1/f32",
+        [mm](benchmark::State& s) { run_policy<float>(s, mm, with_norm<kvevict::CriticalKV>(ValueNorm::l1), true); },
+        16384);
+    reg("defensivekv-l1/f32",
+        [mm](benchmark::State& s) { run_policy<float>(s, mm, with_norm<kvevict::DefensiveKV>(ValueNorm::l1), true); },
+        16384);
+    // Stages.
+    for (auto norm : {ValueNorm::l1, ValueNorm::l2}) {
+      auto* b = benchmark::RegisterBenchmark(
+          ("BM_value_term_" + std::string(kvevict::to_string(norm)) + "/" + model).c_str(),
+          [mm, norm](benchmark::State& s) { BM_ValueTerm(s, mm, norm); });
+      for (Index L : contexts)
+        if (norm == ValueNorm::l2 || L <= 16384) b->Arg(L);
+      b->Unit(benchmark::kMillisecond)->UseRealTime();
+    }
+    auto* f = benchmark::RegisterBenchmark(("BM_window_attention_floor/" + model).c_str(),
+                                           [mm](benchmark::State& s) { BM_WindowAttentionFloor(s, mm); });
+    for (Index L : contexts) f->Arg(L);
+    f->Unit(benchmark::kMillisecond)->UseRealTime();
+  }
 }
 
 }  // namespace
 
-BENCHMARK_TEMPLATE(BM_Policy_Select, kvevict::SnapKV)->Apply(Args);
-BENCHMARK_TEMPLATE(BM_Policy_Select, kvevict::AdaKV)->Apply(Args);
-BENCHMARK_TEMPLATE(BM_Policy_Select, kvevict::StreamingLLM)->Apply(Args);
-BENCHMARK(BM_WindowAttention_Floor)->Arg(32768)->Unit(benchmark::kMillisecond);
-
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  register_all();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -3,6 +3,7 @@
 /// || V[h][j, :] (W_o^q)^T ||_p over the D output dimensions, averaged over the query heads of each group.
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "kvevict/core/error.hpp"
@@ -37,9 +38,18 @@ struct OutputGram {
   static OutputGram compute(const HeadsView<const T>& w_o) {
     OutputGram g;
     g.per_head.resize(static_cast<std::size_t>(w_o.heads()));
+    RowMatrix<S> w;
     for (Index q = 0; q < w_o.heads(); ++q) {
-      const RowMatrix<S> w = w_o.head(q).template cast<S>();
-      g.per_head[static_cast<std::size_t>(q)].noalias() = w.transpose() * w;
+      RowMatrix<S>& G = g.per_head[static_cast<std::size_t>(q)];
+      G.setZero(w_o.cols(), w_o.cols());
+      // W^T W is symmetric: a rank update of the lower triangle (half the FLOPs of a full product), mirrored.
+      if constexpr (std::is_same_v<std::remove_const_t<T>, S>) {
+        G.template selfadjointView<Eigen::Lower>().rankUpdate(w_o.head(q).transpose());
+      } else {
+        w = w_o.head(q).template cast<S>();
+        G.template selfadjointView<Eigen::Lower>().rankUpdate(w.transpose());
+      }
+      G.template triangularView<Eigen::StrictlyUpper>() = G.transpose();
     }
     return g;
   }
@@ -71,18 +81,30 @@ RowMatrix<S> value_norms(const KVView<const T>& values, const HeadsView<const T>
   const Index Hkv = values.heads(), L = values.rows();
   RowMatrix<S> n = RowMatrix<S>::Zero(Hkv, L);
   RowMatrix<S> v, w;
+  RowMatrix<S> grams, projected;  // L2: [d, G d] the group's Gram matrices side by side; [block, G d]
+  const Index d = values.cols();
   for (Index h = 0; h < Hkv; ++h) {
     v = values.head(h).template cast<S>();  // [L, d]
-    for (Index g = 0; g < group; ++g) {
-      const Index q = h * group + g;
-      if (norm == ValueNorm::l1) {
-        w = w_o.head(q).template cast<S>();  // [D, d]
+    if (norm == ValueNorm::l1) {
+      for (Index g = 0; g < group; ++g) {
+        w = w_o.head(h * group + g).template cast<S>();  // [D, d]
         detail::accumulate_l1_norms<S>(v, w, n.row(h).data());
-      } else {
-        KVEVICT_ASSERT(gram != nullptr);
-        const RowMatrix<S>& G = gram->per_head[static_cast<std::size_t>(q)];
-        n.row(h) += ((v * G).cwiseProduct(v).rowwise().sum().cwiseMax(S(0)).cwiseSqrt()).transpose();
       }
+      continue;
+    }
+    // L2: sqrt(v G_q v^T) for the G query heads of the group at once: one [block, d] x [d, G d] product per block
+    // of rows (a wider GEMM than G products of [d, d]), then row-wise dots with v.
+    KVEVICT_ASSERT(gram != nullptr);
+    grams.resize(d, group * d);
+    for (Index g = 0; g < group; ++g) grams.middleCols(g * d, d) = gram->per_head[static_cast<std::size_t>(h * group + g)];
+    constexpr Index block = 256;
+    for (Index j0 = 0; j0 < L; j0 += block) {
+      const Index rows = std::min(block, L - j0);
+      projected.noalias() = v.middleRows(j0, rows) * grams;
+      for (Index g = 0; g < group; ++g)
+        n.row(h).segment(j0, rows) +=
+            (projected.middleCols(g * d, d).cwiseProduct(v.middleRows(j0, rows)).rowwise().sum().cwiseMax(S(0)).cwiseSqrt())
+                .transpose();
     }
   }
   n /= static_cast<S>(group);
