@@ -31,22 +31,15 @@ void require_finite(const HeadsView<const T>& v, const char* where, const char* 
 
 }  // namespace detail
 
-/// Window attention of query head q: `rows` [w, L] receives softmax(Q_win[q] K[q/G]^T / sqrt(d)) with the causal
-/// mask inside the window (row i, at absolute position L-w+i, sees keys j <= L-w+i; masked entries are 0).
-/// S is the arithmetic type (float or wider), T the storage type.
-template <class S, class T>
-void window_attention(const HeadsView<const T>& queries, const KVView<const T>& keys, Index q, Index group,
-                      RowMatrix<S>& rows) {
-  static_assert(std::is_floating_point_v<S>, "window_attention: arithmetic type must be float or double");
-  const Index w = queries.rows(), L = keys.rows(), P = L - w;
-  const Index h = q / group;
+namespace detail {
+
+/// rows [w, L] = softmax(q_win k^T / sqrt(d)) with the causal mask inside the window; q_win [w, d], k [L, d] in S.
+template <class S, class QMat, class KMat>
+void softmax_window_rows(const QMat& q_win, const KMat& k, RowMatrix<S>& rows) {
+  const Index w = q_win.rows(), L = k.rows(), P = L - w;
   rows.resize(w, L);
-  if constexpr (std::is_same_v<S, T>) {
-    rows.noalias() = queries.head(q) * keys.head(h).transpose();
-  } else {
-    rows.noalias() = queries.head(q).template cast<S>() * keys.head(h).template cast<S>().transpose();
-  }
-  const S scale = std::sqrt(static_cast<S>(keys.cols()));
+  rows.noalias() = q_win * k.transpose();
+  const S scale = std::sqrt(static_cast<S>(k.cols()));
   for (Index i = 0; i < w; ++i) {
     const Index visible = P + i + 1;  // causal: keys [0, P + i]
     auto row = rows.row(i);
@@ -55,6 +48,24 @@ void window_attention(const HeadsView<const T>& queries, const KVView<const T>& 
     row.head(visible) = (row.head(visible).array() - m).exp();
     row.head(visible) /= row.head(visible).sum();
     row.tail(L - visible).setZero();
+  }
+}
+
+}  // namespace detail
+
+/// Window attention of query head q: `rows` [w, L] receives softmax(Q_win[q] K[q/G]^T / sqrt(d)) with the causal
+/// mask inside the window (row i, at absolute position L-w+i, sees keys j <= L-w+i; masked entries are 0).
+/// S is the arithmetic type (float or wider), T the storage type.
+template <class S, class T>
+void window_attention(const HeadsView<const T>& queries, const KVView<const T>& keys, Index q, Index group,
+                      RowMatrix<S>& rows) {
+  static_assert(std::is_floating_point_v<S>, "window_attention: arithmetic type must be float or double");
+  const Index h = q / group;
+  if constexpr (std::is_same_v<S, T>) {
+    detail::softmax_window_rows<S>(queries.head(q), keys.head(h), rows);
+  } else {
+    const RowMatrix<S> k = keys.head(h).template cast<S>();
+    detail::softmax_window_rows<S>(queries.head(q).template cast<S>(), k, rows);
   }
 }
 
@@ -82,6 +93,17 @@ class WindowObservation {
   template <class F>
   void for_each_head(F&& f) const {
     RowMatrix<S> rows;
+    if constexpr (!std::is_same_v<S, T>) {
+      if (from_queries_) {  // convert each KV head's keys once for its G query heads (extra memory [L, d])
+        RowMatrix<S> k;
+        for (Index q = 0; q < shape_.query_heads; ++q) {
+          if (q % shape_.group == 0) k = in_.keys.head(q / shape_.group).template cast<S>();
+          detail::softmax_window_rows<S>(in_.queries.head(q).template cast<S>(), k, rows);
+          f(q, static_cast<const RowMatrix<S>&>(rows));
+        }
+        return;
+      }
+    }
     for (Index q = 0; q < shape_.query_heads; ++q) {
       head_rows(q, rows);
       f(q, static_cast<const RowMatrix<S>&>(rows));
