@@ -7,7 +7,8 @@
 //   build/release/bench/kvevict_bench --benchmark_counters_tabular=true
 //   build/release/bench/kvevict_bench --benchmark_filter='Llama.*/4096/' (one context)
 //
-// Names: BM_<policy>/<model>/<storage>/<L>/<keep %>. Storage float32, float16 (Eigen::half) or bfloat16 for the
+// Names: BM_<policy>/<model>/<storage>/<L>/<keep %>; "-l2-gram": the L2 value term with the Gram matrices
+// precomputed once per layer (LayerInputs::w_o_gram), as an engine does at model load. Storage float32, float16 (Eigen::half) or bfloat16 for the
 // keys, values, window queries and W_o; arithmetic in float.
 
 #include <benchmark/benchmark.h>
@@ -113,10 +114,14 @@ P with_norm(kvevict::ValueNorm norm) {
 }
 
 template <class T, class Policy>
-void run_policy(benchmark::State& state, const Model& m, const Policy& policy, bool value_aware) {
+void run_policy(benchmark::State& state, const Model& m, const Policy& policy, bool value_aware,
+                bool precomputed_gram = false) {
   const Index L = state.range(0);
   const auto budget = kvevict::Budget::keep_ratio(static_cast<double>(state.range(1)) / 100.0);
-  const Layer<T> layer(m, L);
+  Layer<T> layer(m, L);
+  // The engine's per-layer W_o^T W_o, made once at model load (LayerInputs::w_o_gram), outside the timing.
+  const auto gram = kvevict::OutputGram<kvevict::gram_scalar_t<T>>::compute(layer.in.w_o);
+  if (precomputed_gram) layer.in.w_o_gram = &gram;
   double total = 0;
   for (auto _ : state) {
     const auto t0 = clock_type::now();
@@ -206,6 +211,16 @@ void register_all() {
     reg("layer-defensivekv-l2/f32",
         [mm](benchmark::State& s) {
           run_policy<float>(s, mm, with_norm<kvevict::LayerDefensiveKV>(ValueNorm::l2), true);
+        },
+        65536);
+    reg("criticalkv-l2-gram/f32",
+        [mm](benchmark::State& s) {
+          run_policy<float>(s, mm, with_norm<kvevict::CriticalKV>(ValueNorm::l2), true, true);
+        },
+        65536);
+    reg("defensivekv-l2-gram/f32",
+        [mm](benchmark::State& s) {
+          run_policy<float>(s, mm, with_norm<kvevict::DefensiveKV>(ValueNorm::l2), true, true);
         },
         65536);
     reg("defensivekv-l2/bf16",

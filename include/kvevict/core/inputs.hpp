@@ -2,13 +2,22 @@
 /// What a policy reads for one layer, and the shape checks every policy runs once on it.
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kvevict/core/error.hpp"
 #include "kvevict/core/views.hpp"
 
 namespace kvevict {
 
-/// One layer's tensors, all views (nothing is copied). T is the storage type (float or double).
+template <class S>
+struct OutputGram;  // value/value_norm.hpp
+
+/// The scalar of a precomputed OutputGram for storage T: double for double storage, float otherwise.
+template <class T>
+using gram_scalar_t = std::conditional_t<std::is_same_v<std::remove_const_t<T>, double>, double, float>;
+
+/// One layer's tensors, all views (nothing is copied). T is the storage type (float, double, Eigen::half or
+/// Eigen::bfloat16).
 /// Give either `queries` or `attention`:
 ///   queries   [H, w, head_dim]  post-RoPE queries of the window positions L-w .. L-1
 ///   attention [H, w, L]         full softmax rows of those queries (engines with eager attention)
@@ -16,6 +25,11 @@ namespace kvevict {
 ///   values    [Hkv, L, head_dim] values (only value-aware selectors read them; may be empty otherwise)
 ///   w_o       [H, D, head_dim]  the output projection W_o [D, H * head_dim] seen per query head (build it with
 ///                               output_projection(); only value-aware selectors read it)
+///   w_o_gram  optional: OutputGram::compute(w_o), made once per model layer. The L2 value term
+///             (ValueNorm::l2) then reads it instead of recomputing W_o^T W_o [d, d] per query head on every
+///             select (2 H D d^2 FLOPs, as much as the value term itself at 4k tokens for Llama-3.1-8B). It must be
+///             the Gram of this w_o (the library checks its shape and finiteness, not its values). A float Gram
+///             used by select<double>() is widened, not recomputed.
 template <class T>
 struct LayerInputs {
   HeadsView<const T> queries;
@@ -23,6 +37,7 @@ struct LayerInputs {
   KVView<const T> keys;
   KVView<const T> values;
   HeadsView<const T> w_o;
+  const OutputGram<gram_scalar_t<T>>* w_o_gram = nullptr;
 };
 
 /// The dimensions of one layer after validation.

@@ -44,15 +44,16 @@ struct CriticalSelector {
   template <class S, class T>
   Layer<S> score(const LayerInputs<T>& in, const LayerShape& shape, const CommonParams& common,
                  const LayerBudget& /*budget*/) const {
-    detail::validate_value_inputs(in, shape, "select");
+    detail::validate_value_inputs(in, shape, params_.value_norm, "select");
     const WindowObservation<S, T> obs(in, shape);
     const RowMatrix<S> s = mean_scores(obs, common.kernel, common.pooling);
     Layer<S> layer{scores_with_window(s, shape.window, common.reference_quirks), ScoreMap<S>(shape.kv_heads, shape.tokens)};
     layer.allocation.require_finite("select");
 
-    OutputGram<S> gram;
-    if (params_.value_norm == ValueNorm::l2) gram = OutputGram<S>::compute(in.w_o);
-    const RowMatrix<S> n = value_norms<S>(in.values, in.w_o, shape.group, params_.value_norm, &gram);
+    OutputGram<S> scratch;
+    const OutputGram<S>* gram =
+        params_.value_norm == ValueNorm::l2 ? &detail::output_gram<S>(in, scratch) : nullptr;
+    const RowMatrix<S> n = value_norms<S>(in.values, in.w_o, shape.group, params_.value_norm, gram);
     const S eps = static_cast<S>(params_.eps);
     const S layer_max = s.maxCoeff();
     for (Index h = 0; h < shape.kv_heads; ++h) {

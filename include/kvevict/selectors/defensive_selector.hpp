@@ -53,7 +53,7 @@ struct DefensiveSelector {
   template <class S, class T>
   Layer<S> score(const LayerInputs<T>& in, const LayerShape& shape, const CommonParams& common,
                  const LayerBudget& budget) const {
-    if (params_.value_term) detail::validate_value_inputs(in, shape, "select");
+    if (params_.value_term) detail::validate_value_inputs(in, shape, params_.value_norm, "select");
     const WindowObservation<S, T> obs(in, shape);
     DefensiveAggregator<S> aggregation(shape, common.kernel, common.pooling, params_.floor);
     MassStatistics<S> mass(shape, common.reference_quirks);
@@ -63,9 +63,10 @@ struct DefensiveSelector {
     });
     RowMatrix<S> scores = aggregation.finish();  // M [Hkv, P]
     if (params_.value_term) {
-      OutputGram<S> gram;
-      if (params_.value_norm == ValueNorm::l2) gram = OutputGram<S>::compute(in.w_o);
-      const RowMatrix<S> n = value_norms<S>(in.values, in.w_o, shape.group, params_.value_norm, &gram);
+      OutputGram<S> scratch;
+      const OutputGram<S>* gram =
+          params_.value_norm == ValueNorm::l2 ? &detail::output_gram<S>(in, scratch) : nullptr;
+      const RowMatrix<S> n = value_norms<S>(in.values, in.w_o, shape.group, params_.value_norm, gram);
       for (Index j = 0; j < shape.prefix; ++j) {
         const S total = n.col(j).sum();
         for (Index h = 0; h < shape.kv_heads; ++h) scores(h, j) *= total > S(0) ? n(h, j) / total : S(0);

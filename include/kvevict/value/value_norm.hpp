@@ -32,7 +32,17 @@ HeadsView<T> output_projection(T* data, Index hidden, Index query_heads, Index h
 /// for the L2 value norm.
 template <class S>
 struct OutputGram {
-  std::vector<RowMatrix<S>> per_head;
+  std::vector<RowMatrix<S>> per_head;  // [H] of [head_dim, head_dim]
+
+  Index heads() const { return static_cast<Index>(per_head.size()); }
+
+  /// The same matrices in another scalar type.
+  template <class U>
+  OutputGram<U> cast() const {
+    OutputGram<U> out;
+    for (const RowMatrix<S>& g : per_head) out.per_head.push_back(g.template cast<U>());
+    return out;
+  }
 
   template <class T>
   static OutputGram compute(const HeadsView<const T>& w_o) {
@@ -118,7 +128,7 @@ namespace detail {
 /// would turn it into a zero weight, an L2 norm's clamp at 0 could swallow it, and a window token's norm is not
 /// always read. O(size of values and W_o), once.
 template <class T>
-void validate_value_inputs(const LayerInputs<T>& in, const LayerShape& s, const char* where) {
+void validate_value_inputs(const LayerInputs<T>& in, const LayerShape& s, ValueNorm norm, const char* where) {
   require(in.values.heads() * in.values.rows() * in.values.cols() > 0, where,
           "this policy needs values [kv_heads, tokens, head_dim] (LayerInputs::values)");
   require(in.w_o.heads() * in.w_o.rows() * in.w_o.cols() > 0, where,
@@ -127,7 +137,35 @@ void validate_value_inputs(const LayerInputs<T>& in, const LayerShape& s, const 
           "w_o must have H * head_dim = ", s.query_heads, " * ", in.values.cols(), " columns, got ", in.w_o.heads(),
           " * ", in.w_o.cols());
   require_finite(in.values, where, "values");
-  require_finite(in.w_o, where, "w_o");
+  if (in.w_o_gram) {
+    const auto& g = *in.w_o_gram;
+    require(g.heads() == s.query_heads, where, "w_o_gram must hold one Gram matrix per query head (", s.query_heads,
+            "), got ", g.heads(), "; make it with OutputGram::compute(w_o)");
+    for (Index q = 0; q < g.heads(); ++q) {
+      const auto& m = g.per_head[static_cast<std::size_t>(q)];
+      require(m.rows() == in.w_o.cols() && m.cols() == in.w_o.cols(), where, "w_o_gram head ", q, " must be [",
+              in.w_o.cols(), ", ", in.w_o.cols(), "] (head_dim x head_dim), got [", m.rows(), ", ", m.cols(), "]");
+      require(std::isfinite((m.array() * 0).sum()), where, "w_o_gram head ", q, " is not finite");
+    }
+  }
+  // W_o itself is read unless the L2 term has a precomputed Gram; it is checked when it is read.
+  if (!(in.w_o_gram && norm == ValueNorm::l2)) require_finite(in.w_o, where, "w_o");
+}
+
+/// The Gram matrices the L2 value term reads, in S: the engine's precomputed in.w_o_gram (widened or narrowed to S
+/// if its scalar differs) or, without one, computed from W_o into `scratch`.
+template <class S, class T>
+const OutputGram<S>& output_gram(const LayerInputs<T>& in, OutputGram<S>& scratch) {
+  if (in.w_o_gram) {
+    if constexpr (std::is_same_v<gram_scalar_t<T>, S>) {
+      return *in.w_o_gram;
+    } else {
+      scratch = in.w_o_gram->template cast<S>();
+      return scratch;
+    }
+  }
+  scratch = OutputGram<S>::compute(in.w_o);
+  return scratch;
 }
 
 }  // namespace detail
