@@ -119,6 +119,20 @@ std::string selection_errors(const Selection& sel, const Shape& s, std::int64_t 
   return {};
 }
 
+/// Runs `errors_of()` (what is wrong with one case, empty when sound) and reports a failure or an exception as a
+/// test failure naming the case; returns whether the case failed.
+template <class F>
+bool case_failed(const std::string& where, F&& errors_of) {
+  try {
+    const std::string err = errors_of();
+    if (err.empty()) return false;
+    FAIL_CHECK(where << ": " << err);
+  } catch (const std::exception& e) {
+    FAIL_CHECK(where << ": threw " << e.what());
+  }
+  return true;
+}
+
 /// Runs `cases` random layers through `select` in T; `what` names the policy in failure messages.
 template <class T, class Policy>
 void check_policy(const char* what, Contract contract, bool keeps_window, int cases, std::uint64_t seed) {
@@ -138,19 +152,13 @@ void check_policy(const char* what, Contract contract, bool keeps_window, int ca
     const std::string where = std::string(what) + " case " + std::to_string(c) + ": " + kvevict_test::describe(s) +
                               " D=" + std::to_string(D) + " n_kept=" + std::to_string(n_kept) + " " +
                               to_string(kind) + (std::is_same_v<T, float> ? " float" : " double");
-    try {
+    failures += case_failed(where, [&] {
       const Selection a = configured.select(stored.in, Budget::tokens(n_kept));
       const Selection b = configured.select(stored.in, Budget::tokens(n_kept));
       std::string err = selection_errors(a, s, n_kept, contract, keeps_window);
       if (err.empty() && (a.indices() != b.indices() || a.offsets() != b.offsets())) err = "not deterministic";
-      if (!err.empty()) {
-        ++failures;
-        FAIL_CHECK(where << ": " << err);
-      }
-    } catch (const std::exception& e) {
-      ++failures;
-      FAIL_CHECK(where << ": threw " << e.what());
-    }
+      return err;
+    });
   }
 }
 
@@ -176,7 +184,7 @@ void check_layer_global(int cases, std::uint64_t seed) {
     const std::string where = "layer-defensivekv case " + std::to_string(c) + ": " + kvevict_test::describe(s) +
                               " layers=" + std::to_string(n_layers) + " n_kept=" + std::to_string(n_kept) + " " +
                               to_string(kind);
-    try {
+    failures += case_failed(where, [&] {
       const auto a = policy.select(inputs, Budget::tokens(n_kept));
       const auto b = policy.select(inputs, Budget::tokens(n_kept));
       std::string err;
@@ -184,21 +192,16 @@ void check_layer_global(int cases, std::uint64_t seed) {
       for (std::size_t i = 0; i < a.size() && err.empty(); ++i) {
         err = kvevict_test::structure_errors(a[i], s.Hkv, s.L);
         if (a[i].indices() != b[i].indices() || a[i].offsets() != b[i].offsets()) err = "not deterministic";
-        for (Index h = 0; h < s.Hkv && err.empty(); ++h)
-          for (Index j = s.L - std::min<Index>(s.w, n_kept); j < s.L && n_kept >= s.w; ++j)
-            if (!a[i].kept(h, j)) err = "window token evicted in layer " + std::to_string(i);
+        if (n_kept >= s.w)
+          for (Index h = 0; h < s.Hkv && err.empty(); ++h)
+            for (Index j = s.L - s.w; j < s.L; ++j)
+              if (!a[i].kept(h, j)) err = "window token evicted in layer " + std::to_string(i);
         total += a[i].total();
       }
       if (err.empty() && a.size() != sz(n_layers)) err = "not one selection per layer";
       if (err.empty() && total != n_layers * s.Hkv * n_kept) err = "model keeps " + std::to_string(total);
-      if (!err.empty()) {
-        ++failures;
-        FAIL_CHECK(where << ": " << err);
-      }
-    } catch (const std::exception& e) {
-      ++failures;
-      FAIL_CHECK(where << ": threw " << e.what());
-    }
+      return err;
+    });
   }
 }
 

@@ -29,10 +29,6 @@ void require_finite(const HeadsView<const T>& v, const char* where, const char* 
   }
 }
 
-}  // namespace detail
-
-namespace detail {
-
 /// rows [w, L] = softmax(q_win k^T / sqrt(d)) with the causal mask inside the window; q_win [w, d], k [L, d] in S.
 template <class S, class QMat, class KMat>
 void softmax_window_rows(const QMat& q_win, const KMat& k, RowMatrix<S>& rows) {
