@@ -1,15 +1,20 @@
-// Selection time of every policy on one layer of real model shapes, with the floors measured in the same process:
-//   x_floor   time / the window-attention GEMM alone (Q_win[q] K[q/G]^T for every query head)
-//   x_floors  (value-aware policies) time / (window-attention GEMM + the Gram-form value GEMM, V_h G_q for every
-//             query head): the sum of the two GEMM floors of issue 6
-// and, for the value term stage, its throughput against a plain Eigen GEMM of the same FLOPs (gemm_efficiency).
+// Selection time of every policy on one layer of real model shapes, with the baselines measured in the same process:
+//   x_floor    time / the window-attention GEMM alone (Q_win[q] K[q/G]^T for every query head)
+//   x_floors   (value-aware policies) time / (window-attention GEMM + the Gram-form value GEMM, V_h G_q for every
+//              query head): the sum of the two GEMM floors of issue 6
+//   x_naive    (at 32k tokens) the naive implementation's time / time (bench/naive.hpp: the spec stage by stage,
+//              materialised, full sorts); agree = fraction of the naive's kept tokens that the library keeps too
+//   extra_MiB  heap peak of one select above the level before it (naive_MiB: the same for the naive)
+// and, for single stages, the value term's throughput against a plain Eigen GEMM of the same FLOPs
+// (gemm_efficiency) and the mass forcing against the full sort it replaced (x_full_sort).
 //
 //   build/release/bench/kvevict_bench --benchmark_counters_tabular=true
 //   build/release/bench/kvevict_bench --benchmark_filter='Llama.*/4096/' (one context)
 //
 // Names: BM_<policy>/<model>/<storage>/<L>/<keep %>; "-l2-gram": the L2 value term with the Gram matrices
-// precomputed once per layer (LayerInputs::w_o_gram), as an engine does at model load. Storage float32, float16 (Eigen::half) or bfloat16 for the
-// keys, values, window queries and W_o; arithmetic in float.
+// precomputed once per layer (LayerInputs::w_o_gram), as an engine does at model load. Storage float32, float16
+// (Eigen::half) or bfloat16 for the keys, values, window queries and W_o; arithmetic in float. Built with
+// KVEVICT_OPENMP, the library (and Eigen's floor GEMMs) run on OpenMP threads.
 
 #include <benchmark/benchmark.h>
 
@@ -17,6 +22,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -195,6 +202,56 @@ void BM_ValueTerm(benchmark::State& state, const Model& m, kvevict::ValueNorm no
   state.SetLabel(std::string(m.name) + (norm == kvevict::ValueNorm::l1 ? " L1" : " L2 (Gram)"));
 }
 
+/// Stage 2.6 alone (MassStatistics::forced_tokens for every KV head, corrected cap at keep 20 %) against what it
+/// replaced, a full sort of each head's P tokens. Attention rows: "diffuse" (uniform random, the 90 % mass set is
+/// most of P: the worst case) or "peaked" (power-law over a random permutation, like real heads).
+void BM_MassForcing(benchmark::State& state, const Model& m, bool peaked) {
+  const Index L = state.range(0), P = L - kWindow, G = m.H / m.Hkv;
+  const kvevict::LayerShape shape{m.H, m.Hkv, G, L, kWindow, P, m.d};
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(0.f, 1.f);
+  kvevict::MassStatistics<float> mass(shape, false);
+  kvevict::RowMatrix<float> rows(kWindow, L);
+  std::vector<Index> perm(static_cast<std::size_t>(L));
+  std::iota(perm.begin(), perm.end(), Index{0});
+  for (Index q = 0; q < m.H; ++q) {
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (Index i = 0; i < kWindow; ++i)
+      for (Index j = 0; j < L; ++j)
+        rows(i, perm[static_cast<std::size_t>(j)]) =
+            peaked ? std::pow(static_cast<float>(j + 1), -1.5f) * (0.5f + u(rng)) : u(rng);
+    rows.array().colwise() /= rows.rowwise().sum().array();
+    mass.add(q, rows);
+  }
+  const double tau = 0.9 - mass.window_bias();
+  const Index cap = L / 5 - kWindow;
+  Index forced = 0;
+  double total = 0;
+  for (auto _ : state) {
+    const auto t0 = clock_type::now();
+    forced = 0;
+    for (Index h = 0; h < m.Hkv; ++h) forced += static_cast<Index>(mass.forced_tokens(h, tau, cap).size());
+    benchmark::DoNotOptimize(forced);
+    total += std::chrono::duration<double>(clock_type::now() - t0).count();
+  }
+  std::vector<float> p(static_cast<std::size_t>(P));
+  std::vector<Index> order(static_cast<std::size_t>(P));
+  for (float& x : p) x = u(rng);
+  const double full_sort = best_of_3([&] {
+    for (Index h = 0; h < m.Hkv; ++h) {
+      std::iota(order.begin(), order.end(), Index{0});
+      std::sort(order.begin(), order.end(), [&](Index a, Index b) {
+        const float pa = p[static_cast<std::size_t>(a)], pb = p[static_cast<std::size_t>(b)];
+        return pa != pb ? pa > pb : a > b;
+      });
+    }
+    benchmark::DoNotOptimize(order.data());
+  });
+  state.counters["forced_share"] = static_cast<double>(forced) / static_cast<double>(m.Hkv * P);
+  state.counters["x_full_sort"] = total / static_cast<double>(state.iterations()) / full_sort;  // < 1: faster
+  state.SetLabel(std::string(m.name) + (peaked ? " peaked" : " diffuse"));
+}
+
 void BM_WindowAttentionFloor(benchmark::State& state, const Model& m) {
   for (auto _ : state) benchmark::DoNotOptimize(measure_floors(m, state.range(0)).window);
   state.SetLabel(std::string(m.name) + " best of 3 inside");
@@ -222,7 +279,8 @@ void register_all() {
     reg("adakv/f32", [mm](benchmark::State& s) { run_policy<float>(s, mm, kvevict::AdaKV{}, false); }, 65536);
     reg("streamingllm/f32", [mm](benchmark::State& s) { run_policy<float>(s, mm, kvevict::StreamingLLM{}, false); },
         65536);
-    // Value-aware policies: the Gram (L2) form at every context, the papers' L1 form up to 16k (O(H L d D)).
+    // Value-aware policies: the Gram (L2) form at every context, the papers' L1 form up to 32k (O(H L d D): ~10 s
+    // per layer at 32k).
     using kvevict::ValueNorm;
     reg("criticalkv-l2/f32",
         [mm](benchmark::State& s) { run_policy<float>(s, mm, with_norm<kvevict::CriticalKV>(ValueNorm::l2), true); },
@@ -252,10 +310,10 @@ void register_all() {
         65536);
     reg("criticalkv-l1/f32",
         [mm](benchmark::State& s) { run_policy<float>(s, mm, with_norm<kvevict::CriticalKV>(ValueNorm::l1), true); },
-        16384);
+        32768);
     reg("defensivekv-l1/f32",
         [mm](benchmark::State& s) { run_policy<float>(s, mm, with_norm<kvevict::DefensiveKV>(ValueNorm::l1), true); },
-        16384);
+        32768);
     // Stages.
     for (auto norm : {ValueNorm::l1, ValueNorm::l2}) {
       auto* b = benchmark::RegisterBenchmark(
@@ -263,6 +321,13 @@ void register_all() {
           [mm, norm](benchmark::State& s) { BM_ValueTerm(s, mm, norm); });
       for (Index L : contexts)
         if (norm == ValueNorm::l2 || L <= 16384) b->Arg(L);
+      b->Unit(benchmark::kMillisecond)->UseRealTime();
+    }
+    for (bool peaked : {false, true}) {
+      auto* b = benchmark::RegisterBenchmark(
+          ("BM_mass_forcing/" + std::string(peaked ? "peaked/" : "diffuse/") + model).c_str(),
+          [mm, peaked](benchmark::State& s) { BM_MassForcing(s, mm, peaked); });
+      for (Index L : contexts) b->Arg(L);
       b->Unit(benchmark::kMillisecond)->UseRealTime();
     }
     auto* f = benchmark::RegisterBenchmark(("BM_window_attention_floor/" + model).c_str(),

@@ -6,7 +6,9 @@
 #include <kvevict/kvevict.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <random>
 #include <vector>
 
 #include "support/random_inputs.hpp"
@@ -283,4 +285,72 @@ TEST_CASE("mass forcing on quantised attention (exact ties, exact crossings) mat
       }
     }
   }
+}
+
+namespace {
+
+// The full ranking forced_tokens used before it ranked lazily (p descending, ties to the more recent token).
+Idx full_sort_order(const std::vector<float>& p) {
+  const Index P = static_cast<Index>(p.size());
+  Idx order(p.size());
+  for (Index j = 0; j < P; ++j) order[sz(j)] = j;
+  std::sort(order.begin(), order.end(), [&](Index a, Index b) {
+    return p[sz(a)] != p[sz(b)] ? p[sz(a)] > p[sz(b)] : a > b;
+  });
+  return order;
+}
+
+}  // namespace
+
+TEST_CASE("mass forcing ranks lazily (stopping at the cap when tau is surely reached) yet forces exactly what a full "
+          "sort does",
+          "[mass_forcing]") {
+  Rng rng(20261130);
+  std::uniform_real_distribution<double> u01(0.0, 1.0);
+  int cases = 0, stopped_early = 0;
+  for (const Index P : {Index{1}, Index{2}, Index{7}, Index{300}, Index{5000}, Index{40000}}) {
+    for (int kind = 0; kind < 4; ++kind) {
+      // One KV head, one query head, w = 1: the mass row is the prefix of the single window row.
+      const Index L = P + 1;
+      const kvevict::LayerShape shape{1, 1, 1, L, 1, P, 1};
+      RowMatrix<float> rows(1, L);
+      for (Index j = 0; j < P; ++j) {
+        const double u = u01(rng);
+        rows(0, j) = kind == 0   ? static_cast<float>(u)                                 // diffuse
+                     : kind == 1 ? static_cast<float>(std::pow(u, 12.0))                 // peaked
+                     : kind == 2 ? static_cast<float>(std::floor(u * 4.0) / 4.0)         // exact ties, zeros
+                                 : (j % 3 == 0 ? static_cast<float>(u) : 0.0f);          // sparse
+      }
+      rows(0, P) = 0.5f;
+      MassStatistics<float> m(shape, false);
+      m.add(0, rows);
+      const std::vector<float> p(rows.data(), rows.data() + P);
+      const Idx order = full_sort_order(p);
+      const RowMatrix<float> mass = rows.leftCols(P).colwise().sum();
+      const float total = mass.row(0).sum();  // the same Eigen expression as the library's (the same rounding)
+      for (const double tau : {0.0, 0.5, 0.9, u01(rng), 1.0 - 1e-7, 1.0, 1.0 + 1e-7, 1.5}) {
+        for (const Index cap : {-P - 1, Index{-3}, Index{0}, Index{1}, P / 5, P - 1, P, P + 5}) {
+          // The walk of the full-sort version, verbatim (float arithmetic in the same order: identical, not close).
+          Index k = 0;
+          if (total > 0.0f) {
+            float c = 0;
+            for (k = 0; k < P; ++k) {
+              c += p[sz(order[sz(k)])] / total;
+              if (static_cast<double>(c) >= tau) break;
+            }
+            if (k == P) k = 0;
+          }
+          k = std::min(k, cap);
+          if (k < 0) k = std::max<Index>(0, P + k);
+          const Idx got = m.forced_tokens(0, tau, cap);
+          INFO("P " << P << " kind " << kind << " tau " << tau << " cap " << cap);
+          REQUIRE(got == first(order, sz(k)));
+          ++cases;
+          stopped_early += (cap > 0 && cap < P && k == cap) ? 1 : 0;
+        }
+      }
+    }
+  }
+  CHECK(cases == 6 * 4 * 8 * 8);
+  CHECK(stopped_early > 50);  // the early stop is exercised, not only the full walk
 }

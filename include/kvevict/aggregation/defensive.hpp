@@ -17,17 +17,18 @@ class DefensiveAggregator {
  public:
   DefensiveAggregator(const LayerShape& shape, Index kernel, Pooling pooling, bool floor)
       : shape_(shape), kernel_(kernel), pooling_(pooling), floor_(floor),
-        scores_(RowMatrix<S>::Zero(shape.kv_heads, shape.prefix)),  // attention >= 0: 0 is the identity of max
-        pooled_(shape.prefix) {}
+        scores_(RowMatrix<S>::Zero(shape.kv_heads, shape.prefix)) {}  // attention >= 0: 0 is the identity of max
 
+  /// rows [w, L]: the softmax rows of query head q. Writes only row q / G (see MeanAggregator::add).
   void add(Index q, const RowMatrix<S>& rows) {
     auto out = scores_.row(q / shape_.group);
+    Eigen::Matrix<S, 1, Eigen::Dynamic> pooled(shape_.prefix);
     for (Index i = 0; i < shape_.window; ++i) {
       const auto a = rows.row(i).head(shape_.prefix);
-      pool1d(a.data(), shape_.prefix, kernel_, pooling_, pooled_.data());
-      const S pooled_mass = pooled_.sum();
-      if (pooled_mass > S(0)) pooled_ *= a.sum() / pooled_mass;
-      out = out.cwiseMax(pooled_);
+      pool1d(a.data(), shape_.prefix, kernel_, pooling_, pooled.data());
+      const S pooled_mass = pooled.sum();
+      if (pooled_mass > S(0)) pooled *= a.sum() / pooled_mass;
+      out = out.cwiseMax(pooled);
     }
   }
   RowMatrix<S> finish() {
@@ -45,7 +46,6 @@ class DefensiveAggregator {
   Pooling pooling_;
   bool floor_;
   RowMatrix<S> scores_;
-  Eigen::Matrix<S, 1, Eigen::Dynamic> pooled_;
 };
 
 /// Defensive scores [Hkv, P] of a layer (streams over query heads).

@@ -14,14 +14,15 @@ template <class S>
 class MeanAggregator {
  public:
   MeanAggregator(const LayerShape& shape, Index kernel, Pooling pooling)
-      : shape_(shape), kernel_(kernel), pooling_(pooling), scores_(RowMatrix<S>::Zero(shape.kv_heads, shape.prefix)),
-        row_mean_(shape.prefix), pooled_(shape.prefix) {}
+      : shape_(shape), kernel_(kernel), pooling_(pooling), scores_(RowMatrix<S>::Zero(shape.kv_heads, shape.prefix)) {}
 
-  /// rows [w, L]: the softmax rows of query head q.
+  /// rows [w, L]: the softmax rows of query head q. Writes only row q / G (WindowObservation::for_each_head may
+  /// add different KV heads concurrently).
   void add(Index q, const RowMatrix<S>& rows) {
-    row_mean_.noalias() = rows.leftCols(shape_.prefix).colwise().sum() / static_cast<S>(shape_.window);
-    pool1d(row_mean_.data(), shape_.prefix, kernel_, pooling_, pooled_.data());
-    scores_.row(q / shape_.group) += pooled_;
+    const Vector row_mean = rows.leftCols(shape_.prefix).colwise().sum() / static_cast<S>(shape_.window);
+    Vector pooled(shape_.prefix);
+    pool1d(row_mean.data(), shape_.prefix, kernel_, pooling_, pooled.data());
+    scores_.row(q / shape_.group) += pooled;
   }
   /// Scores [Hkv, P] once every query head was added.
   RowMatrix<S> finish() { return scores_ / static_cast<S>(shape_.group); }
@@ -30,8 +31,8 @@ class MeanAggregator {
   LayerShape shape_;
   Index kernel_;
   Pooling pooling_;
+  using Vector = Eigen::Matrix<S, 1, Eigen::Dynamic>;
   RowMatrix<S> scores_;
-  Eigen::Matrix<S, 1, Eigen::Dynamic> row_mean_, pooled_;
 };
 
 /// Mean-aggregated scores [Hkv, P] of a layer (streams over query heads: extra memory O(w L + P)).

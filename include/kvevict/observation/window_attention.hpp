@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "kvevict/core/inputs.hpp"
+#include "kvevict/core/parallel.hpp"
 #include "kvevict/core/views.hpp"
 
 namespace kvevict {
@@ -85,25 +86,29 @@ class WindowObservation {
 
   const LayerShape& shape() const { return shape_; }
 
-  /// Calls f(q, rows) for every query head q in order; rows is [w, L] (full softmax rows, prefix then window).
+  /// Calls f(q, rows) for every query head q; rows is [w, L] (full softmax rows, prefix then window). The G query
+  /// heads of a KV head are visited in order, on one thread; with KVEVICT_OPENMP (core/parallel.hpp) different KV
+  /// heads run concurrently, so f may only touch state of KV head q / G. Extra memory O(w L) per thread.
   template <class F>
   void for_each_head(F&& f) const {
-    RowMatrix<S> rows;
-    if constexpr (!std::is_same_v<S, T>) {
-      if (from_queries_) {  // convert each KV head's keys once for its G query heads (extra memory [L, d])
-        RowMatrix<S> k;
-        for (Index q = 0; q < shape_.query_heads; ++q) {
-          if (q % shape_.group == 0) k = in_.keys.head(q / shape_.group).template cast<S>();
-          detail::softmax_window_rows<S>(in_.queries.head(q).template cast<S>(), k, rows);
-          f(q, static_cast<const RowMatrix<S>&>(rows));
+    const Index G = shape_.group;
+    detail::parallel_for(shape_.kv_heads, [&](Index h) {
+      RowMatrix<S> rows;
+      if constexpr (!std::is_same_v<S, T>) {
+        if (from_queries_) {  // convert the KV head's keys once for its G query heads (extra memory [L, d])
+          const RowMatrix<S> k = in_.keys.head(h).template cast<S>();
+          for (Index q = h * G; q < (h + 1) * G; ++q) {
+            detail::softmax_window_rows<S>(in_.queries.head(q).template cast<S>(), k, rows);
+            f(q, static_cast<const RowMatrix<S>&>(rows));
+          }
+          return;
         }
-        return;
       }
-    }
-    for (Index q = 0; q < shape_.query_heads; ++q) {
-      head_rows(q, rows);
-      f(q, static_cast<const RowMatrix<S>&>(rows));
-    }
+      for (Index q = h * G; q < (h + 1) * G; ++q) {
+        head_rows(q, rows);
+        f(q, static_cast<const RowMatrix<S>&>(rows));
+      }
+    });
   }
 
   /// Rows [w, L] of query head q.

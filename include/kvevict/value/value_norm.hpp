@@ -8,6 +8,7 @@
 
 #include "kvevict/core/error.hpp"
 #include "kvevict/core/inputs.hpp"
+#include "kvevict/core/parallel.hpp"
 #include "kvevict/core/views.hpp"
 #include "kvevict/observation/window_attention.hpp"
 
@@ -44,23 +45,23 @@ struct OutputGram {
     return out;
   }
 
+  /// One Gram matrix per query head (over query heads in parallel with KVEVICT_OPENMP).
   template <class T>
   static OutputGram compute(const HeadsView<const T>& w_o) {
     OutputGram g;
     g.per_head.resize(static_cast<std::size_t>(w_o.heads()));
-    RowMatrix<S> w;
-    for (Index q = 0; q < w_o.heads(); ++q) {
+    detail::parallel_for(w_o.heads(), [&](Index q) {
       RowMatrix<S>& G = g.per_head[static_cast<std::size_t>(q)];
       G.setZero(w_o.cols(), w_o.cols());
       // W^T W is symmetric: a rank update of the lower triangle (half the FLOPs of a full product), mirrored.
       if constexpr (std::is_same_v<std::remove_const_t<T>, S>) {
         G.template selfadjointView<Eigen::Lower>().rankUpdate(w_o.head(q).transpose());
       } else {
-        w = w_o.head(q).template cast<S>();
+        const RowMatrix<S> w = w_o.head(q).template cast<S>();
         G.template selfadjointView<Eigen::Lower>().rankUpdate(w.transpose());
       }
       G.template triangularView<Eigen::StrictlyUpper>() = G.transpose();
-    }
+    });
     return g;
   }
 };
@@ -88,24 +89,26 @@ void accumulate_l1_norms(const VMat& v, const WMat& w, S* out) {
 template <class S, class T>
 RowMatrix<S> value_norms(const KVView<const T>& values, const HeadsView<const T>& w_o, Index group, ValueNorm norm,
                          const OutputGram<S>* gram = nullptr) {
-  const Index Hkv = values.heads(), L = values.rows();
+  const Index Hkv = values.heads(), L = values.rows(), d = values.cols();
   RowMatrix<S> n = RowMatrix<S>::Zero(Hkv, L);
-  RowMatrix<S> v, w;
-  RowMatrix<S> grams, projected;  // L2: [d, G d] the group's Gram matrices side by side; [block, G d]
-  const Index d = values.cols();
-  for (Index h = 0; h < Hkv; ++h) {
-    v = values.head(h).template cast<S>();  // [L, d]
+  KVEVICT_ASSERT(norm == ValueNorm::l1 || gram != nullptr);
+  detail::parallel_for(Hkv, [&](Index h) {  // KV heads in parallel with KVEVICT_OPENMP; each writes row h only
+    const RowMatrix<S> v = values.head(h).template cast<S>();  // [L, d]
     if (norm == ValueNorm::l1) {
+      RowMatrix<S> w;  // W_o^q [D, d] converted to S (read in place when stored as S)
       for (Index g = 0; g < group; ++g) {
-        w = w_o.head(h * group + g).template cast<S>();  // [D, d]
-        detail::accumulate_l1_norms<S>(v, w, n.row(h).data());
+        if constexpr (std::is_same_v<std::remove_const_t<T>, S>) {
+          detail::accumulate_l1_norms<S>(v, w_o.head(h * group + g), n.row(h).data());
+        } else {
+          w = w_o.head(h * group + g).template cast<S>();
+          detail::accumulate_l1_norms<S>(v, w, n.row(h).data());
+        }
       }
-      continue;
+      return;
     }
     // L2: sqrt(v G_q v^T) for the G query heads of the group at once: one [block, d] x [d, G d] product per block
     // of rows (a wider GEMM than G products of [d, d]), then row-wise dots with v.
-    KVEVICT_ASSERT(gram != nullptr);
-    grams.resize(d, group * d);
+    RowMatrix<S> grams(d, group * d), projected;  // the group's Gram matrices side by side; [block, G d]
     for (Index g = 0; g < group; ++g) grams.middleCols(g * d, d) = gram->per_head[static_cast<std::size_t>(h * group + g)];
     constexpr Index block = 256;
     for (Index j0 = 0; j0 < L; j0 += block) {
@@ -116,7 +119,7 @@ RowMatrix<S> value_norms(const KVView<const T>& values, const HeadsView<const T>
             (projected.middleCols(g * d, d).cwiseProduct(v.middleRows(j0, rows)).rowwise().sum().cwiseMax(S(0)).cwiseSqrt())
                 .transpose();
     }
-  }
+  });
   n /= static_cast<S>(group);
   return n;
 }

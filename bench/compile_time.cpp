@@ -1,0 +1,33 @@
+// Issue 6's compile-time check: one translation unit that includes the umbrella header and instantiates select()
+// of every preset for float, Eigen::half and Eigen::bfloat16 storage (float arithmetic) and float64 storage and
+// arithmetic. bench/compile_time.sh times it with the project's flags.
+
+#include <vector>
+
+#include "kvevict/kvevict.hpp"
+
+namespace {
+
+template <class T>
+std::size_t select_with_every_preset(const kvevict::LayerInputs<T>& in, const kvevict::Budget& b) {
+  using S = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  std::size_t n = 0;
+  n += kvevict::SnapKV{}.select<S>(in, b).indices().size();
+  n += kvevict::AdaKV{}.select<S>(in, b).indices().size();
+  n += kvevict::StreamingLLM{}.select<S>(in, b).indices().size();
+  n += kvevict::CriticalKV{}.select<S>(in, b).indices().size();
+  n += kvevict::CriticalSnapKV{}.select<S>(in, b).indices().size();
+  n += kvevict::DefensiveKV{}.select<S>(in, b).indices().size();
+  n += kvevict::AdaKVDefensive{}.select<S>(in, b).indices().size();
+  n += kvevict::LayerDefensiveKV{}.select<S>(std::vector<kvevict::LayerInputs<T>>{in}, b).size();
+  return n;
+}
+
+}  // namespace
+
+std::size_t kvevict_compile_time_probe(const kvevict::LayerInputs<float>& f, const kvevict::LayerInputs<Eigen::half>& h,
+                                       const kvevict::LayerInputs<Eigen::bfloat16>& bf,
+                                       const kvevict::LayerInputs<double>& d, const kvevict::Budget& b) {
+  return select_with_every_preset(f, b) + select_with_every_preset(h, b) + select_with_every_preset(bf, b) +
+         select_with_every_preset(d, b);
+}
