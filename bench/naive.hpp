@@ -13,7 +13,11 @@
 
 #include <Eigen/Core>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
+#include <utility>
 #include <vector>
 
 #include "kvevict/kvevict.hpp"

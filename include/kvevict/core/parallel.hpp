@@ -17,23 +17,29 @@
 
 namespace kvevict::detail {
 
-/// Calls f(i) for i in [0, n): on OpenMP threads when enabled, else in order. If calls throw, the exception of the
-/// lowest such i is rethrown after every call has finished (never std::terminate from inside a parallel region).
-template <class F>
-void parallel_for(Index n, F&& f) {
+/// Calls f(i, scratch) for i in [0, n): on OpenMP threads when enabled, else in order. Each thread default-constructs
+/// one Scratch and reuses it for all its indices (work buffers allocated once per thread, not per index). If calls
+/// throw, the exception of the lowest such i is rethrown after every call has finished (never std::terminate from
+/// inside a parallel region).
+template <class Scratch, class F>
+void parallel_for_with(Index n, F&& f) {
 #if defined(KVEVICT_OPENMP)
   if (n > 1 && !omp_in_parallel()) {
     std::exception_ptr error;
     Index error_at = n;
-#pragma omp parallel for schedule(static)
-    for (Index i = 0; i < n; ++i) {
-      try {
-        f(i);
-      } catch (...) {
+#pragma omp parallel
+    {
+      Scratch scratch;
+#pragma omp for schedule(static)
+      for (Index i = 0; i < n; ++i) {
+        try {
+          f(i, scratch);
+        } catch (...) {
 #pragma omp critical(kvevict_parallel_for_error)
-        if (i < error_at) {
-          error_at = i;
-          error = std::current_exception();
+          if (i < error_at) {
+            error_at = i;
+            error = std::current_exception();
+          }
         }
       }
     }
@@ -41,7 +47,15 @@ void parallel_for(Index n, F&& f) {
     return;
   }
 #endif
-  for (Index i = 0; i < n; ++i) f(i);
+  Scratch scratch;
+  for (Index i = 0; i < n; ++i) f(i, scratch);
+}
+
+/// parallel_for_with without scratch: f(i).
+template <class F>
+void parallel_for(Index n, F&& f) {
+  struct None {};
+  parallel_for_with<None>(n, [&](Index i, None&) { f(i); });
 }
 
 }  // namespace kvevict::detail

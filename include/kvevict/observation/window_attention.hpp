@@ -92,13 +92,16 @@ class WindowObservation {
   template <class F>
   void for_each_head(F&& f) const {
     const Index G = shape_.group;
-    detail::parallel_for(shape_.kv_heads, [&](Index h) {
-      RowMatrix<S> rows;
+    struct Scratch {
+      RowMatrix<S> rows, keys;  // [w, L]; the KV head's keys in S [L, d] when stored otherwise
+    };
+    detail::parallel_for_with<Scratch>(shape_.kv_heads, [&](Index h, Scratch& scratch) {
+      RowMatrix<S>& rows = scratch.rows;
       if constexpr (!std::is_same_v<S, T>) {
-        if (from_queries_) {  // convert the KV head's keys once for its G query heads (extra memory [L, d])
-          const RowMatrix<S> k = in_.keys.head(h).template cast<S>();
+        if (from_queries_) {  // convert the KV head's keys once for its G query heads
+          scratch.keys = in_.keys.head(h).template cast<S>();
           for (Index q = h * G; q < (h + 1) * G; ++q) {
-            detail::softmax_window_rows<S>(in_.queries.head(q).template cast<S>(), k, rows);
+            detail::softmax_window_rows<S>(in_.queries.head(q).template cast<S>(), scratch.keys, rows);
             f(q, static_cast<const RowMatrix<S>&>(rows));
           }
           return;

@@ -69,12 +69,11 @@ struct OutputGram {
 namespace detail {
 
 /// Adds || V_h[j] (W^q)^T ||_p to out[j] for the L rows of one KV head, in blocks of rows so that the [L, D]
-/// projection is never materialised (extra memory O(block * D)).
+/// projection is never materialised (extra memory O(block * D): `proj`, reused).
 template <class S, class VMat, class WMat>
-void accumulate_l1_norms(const VMat& v, const WMat& w, S* out) {
+void accumulate_l1_norms(const VMat& v, const WMat& w, S* out, RowMatrix<S>& proj) {
   constexpr Index block = 128;
   const Index L = v.rows();
-  RowMatrix<S> proj;
   for (Index j0 = 0; j0 < L; j0 += block) {
     const Index n = std::min(block, L - j0);
     proj.noalias() = v.middleRows(j0, n) * w.transpose();  // [n, D]
@@ -92,32 +91,41 @@ RowMatrix<S> value_norms(const KVView<const T>& values, const HeadsView<const T>
   const Index Hkv = values.heads(), L = values.rows(), d = values.cols();
   RowMatrix<S> n = RowMatrix<S>::Zero(Hkv, L);
   KVEVICT_ASSERT(norm == ValueNorm::l1 || gram != nullptr);
-  detail::parallel_for(Hkv, [&](Index h) {  // KV heads in parallel with KVEVICT_OPENMP; each writes row h only
-    const RowMatrix<S> v = values.head(h).template cast<S>();  // [L, d]
+  struct Scratch {
+    RowMatrix<S> v, w, grams, projected;  // [L, d]; L1: W_o^q [D, d] (unless stored in S), [block, D]; L2: [d, G d], [block, G d]
+  };
+  // KV heads in parallel with KVEVICT_OPENMP; each writes row h of n only.
+  detail::parallel_for_with<Scratch>(Hkv, [&](Index h, Scratch& scratch) {
+    RowMatrix<S>& v = scratch.v;
+    v = values.head(h).template cast<S>();
     if (norm == ValueNorm::l1) {
-      RowMatrix<S> w;  // W_o^q [D, d] converted to S (read in place when stored as S)
       for (Index g = 0; g < group; ++g) {
         if constexpr (std::is_same_v<std::remove_const_t<T>, S>) {
-          detail::accumulate_l1_norms<S>(v, w_o.head(h * group + g), n.row(h).data());
+          detail::accumulate_l1_norms<S>(v, w_o.head(h * group + g), n.row(h).data(), scratch.projected);
         } else {
-          w = w_o.head(h * group + g).template cast<S>();
-          detail::accumulate_l1_norms<S>(v, w, n.row(h).data());
+          scratch.w = w_o.head(h * group + g).template cast<S>();
+          detail::accumulate_l1_norms<S>(v, scratch.w, n.row(h).data(), scratch.projected);
         }
       }
       return;
     }
     // L2: sqrt(v G_q v^T) for the G query heads of the group at once: one [block, d] x [d, G d] product per block
     // of rows (a wider GEMM than G products of [d, d]), then row-wise dots with v.
-    RowMatrix<S> grams(d, group * d), projected;  // the group's Gram matrices side by side; [block, G d]
+    RowMatrix<S>& grams = scratch.grams;  // the group's Gram matrices side by side
+    grams.resize(d, group * d);
     for (Index g = 0; g < group; ++g) grams.middleCols(g * d, d) = gram->per_head[static_cast<std::size_t>(h * group + g)];
     constexpr Index block = 256;
     for (Index j0 = 0; j0 < L; j0 += block) {
       const Index rows = std::min(block, L - j0);
-      projected.noalias() = v.middleRows(j0, rows) * grams;
+      scratch.projected.noalias() = v.middleRows(j0, rows) * grams;
       for (Index g = 0; g < group; ++g)
-        n.row(h).segment(j0, rows) +=
-            (projected.middleCols(g * d, d).cwiseProduct(v.middleRows(j0, rows)).rowwise().sum().cwiseMax(S(0)).cwiseSqrt())
-                .transpose();
+        n.row(h).segment(j0, rows) += (scratch.projected.middleCols(g * d, d)
+                                           .cwiseProduct(v.middleRows(j0, rows))
+                                           .rowwise()
+                                           .sum()
+                                           .cwiseMax(S(0))
+                                           .cwiseSqrt())
+                                          .transpose();
     }
   });
   n /= static_cast<S>(group);
