@@ -88,13 +88,19 @@ inline kvevict_ref::Pool pool_of(kvevict::Pooling p) {
   return p == kvevict::Pooling::avg ? kvevict_ref::Pool::avg : kvevict_ref::Pool::max;
 }
 
+/// SnapKV's scores [Hkv][P] (mean aggregation of the materialised attention), shared by the mean-scored policies.
+template <class T>
+std::vector<double> mean_scores(const kvevict::CommonParams& p, const kvevict::LayerInputs<T>& in, const Shape& s) {
+  return kvevict_ref::mean_scores(window_attention(in, s), s.H, s.Hkv, s.w, s.L, static_cast<int>(p.kernel),
+                                  pool_of(p.pooling));
+}
+
 /// The kept tokens of one layer, per KV head ascending, for each preset (parameters read from the policy).
 template <class T>
 Kept select(const kvevict::SnapKV& policy, const kvevict::LayerInputs<T>& in, std::int64_t n_kept) {
   const Shape s = shape_of(in);
   const auto& p = policy.params();
-  const auto scores = kvevict_ref::mean_scores(window_attention(in, s), s.H, s.Hkv, s.w, s.L,
-                                               static_cast<int>(p.kernel), pool_of(p.pooling));
+  const auto scores = mean_scores(p, in, s);
   return kvevict_ref::snapkv(scores, s.Hkv, s.w, s.L, n_kept);
 }
 
@@ -102,8 +108,7 @@ template <class T>
 Kept select(const kvevict::AdaKV& policy, const kvevict::LayerInputs<T>& in, std::int64_t n_kept) {
   const Shape s = shape_of(in);
   const auto& p = policy.params();
-  const auto scores = kvevict_ref::mean_scores(window_attention(in, s), s.H, s.Hkv, s.w, s.L,
-                                               static_cast<int>(p.kernel), pool_of(p.pooling));
+  const auto scores = mean_scores(p, in, s);
   return kvevict_ref::adakv(scores, s.Hkv, s.w, s.L, n_kept, p.alpha);
 }
 
@@ -117,8 +122,7 @@ template <class T>
 Kept select(const kvevict::CriticalKV& policy, const kvevict::LayerInputs<T>& in, std::int64_t n_kept) {
   const Shape s = shape_of(in);
   const auto& p = policy.params();
-  const auto scores = kvevict_ref::mean_scores(window_attention(in, s), s.H, s.Hkv, s.w, s.L,
-                                               static_cast<int>(p.kernel), pool_of(p.pooling));
+  const auto scores = mean_scores(p, in, s);
   return kvevict_ref::criticalkv(scores, value_norms(in, s, p.value_norm), s.Hkv, s.w, s.L, n_kept,
                                  /*adaptive=*/true, p.alpha, p.eps, p.first_stage_ratio, /*quirks=*/false);
 }
