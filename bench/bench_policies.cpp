@@ -152,10 +152,7 @@ void run_policy(benchmark::State& state, const Model& m, const Policy& policy, b
   };
   double total = 0;
   for (auto _ : state) {
-    const auto t0 = clock_type::now();
-    kvevict::Selection sel = select_once();
-    benchmark::DoNotOptimize(sel.indices().data());
-    total += std::chrono::duration<double>(clock_type::now() - t0).count();
+    total += seconds([&] { benchmark::DoNotOptimize(select_once().indices().data()); });
   }
   const double per_iter = total / static_cast<double>(state.iterations());
   const Floors floors = measure_floors(m, L);
@@ -214,11 +211,10 @@ void BM_ValueTerm(benchmark::State& state, const Model& m, kvevict::ValueNorm no
   kvevict::OutputGram<float> gram;
   double total = 0;
   for (auto _ : state) {
-    const auto t0 = clock_type::now();
-    if (norm == kvevict::ValueNorm::l2) gram = kvevict::OutputGram<float>::compute(layer.in.w_o);
-    const auto n = kvevict::value_norms<float>(layer.in.values, layer.in.w_o, G, norm, &gram);
-    benchmark::DoNotOptimize(n.data());
-    total += std::chrono::duration<double>(clock_type::now() - t0).count();
+    total += seconds([&] {
+      if (norm == kvevict::ValueNorm::l2) gram = kvevict::OutputGram<float>::compute(layer.in.w_o);
+      benchmark::DoNotOptimize(kvevict::value_norms<float>(layer.in.values, layer.in.w_o, G, norm, &gram).data());
+    });
   }
   const double per_iter = total / static_cast<double>(state.iterations());
   const Index cols = norm == kvevict::ValueNorm::l1 ? m.D : m.d;
@@ -263,11 +259,11 @@ void BM_MassForcing(benchmark::State& state, const Model& m, bool peaked) {
   Index forced = 0;
   double total = 0;
   for (auto _ : state) {
-    const auto t0 = clock_type::now();
-    forced = 0;
-    for (Index h = 0; h < m.Hkv; ++h) forced += static_cast<Index>(mass.forced_tokens(h, tau, cap).size());
-    benchmark::DoNotOptimize(forced);
-    total += std::chrono::duration<double>(clock_type::now() - t0).count();
+    total += seconds([&] {
+      forced = 0;
+      for (Index h = 0; h < m.Hkv; ++h) forced += static_cast<Index>(mass.forced_tokens(h, tau, cap).size());
+      benchmark::DoNotOptimize(forced);
+    });
   }
   std::vector<float> p(static_cast<std::size_t>(P));
   std::vector<Index> order(static_cast<std::size_t>(P));
