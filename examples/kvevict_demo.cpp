@@ -46,78 +46,51 @@ double ms_since(clock_type::time_point t0) {
 
 /// Chooses what every layer of a prefilled engine keeps; returns one Selection per layer. It sees the whole
 /// engine, so per-layer policies and whole-model ones (which plan over all layers before evicting) fit the same
-/// slot, and value-aware ones can read W_o (engine.model().layers[l].wo) next to engine.eviction_inputs(l).
+/// slot, and value-aware ones read W_o through engine.eviction_inputs().
 using Compressor = std::function<std::vector<kvevict::Selection>(const Engine&, const kvevict::Budget&)>;
 
-/// A per-layer policy (SnapKV, AdaKV, StreamingLLM, ...): one select() per layer, on views of the engine's cache.
-template <class Policy>
-Compressor per_layer(Policy policy) {
-  return [policy](const Engine& engine, const kvevict::Budget& budget) {
-    std::vector<kvevict::Selection> out;
-    for (Index l = 0; l < engine.model().config.n_layer; ++l)
-      out.push_back(policy.select(engine.eviction_inputs(l), budget));
-    return out;
-  };
-}
-
-/// A whole-model policy (Layer-DefensiveKV): scores every layer, then one budget across layers (plan, then apply).
-template <class Policy>
-Compressor all_layers(Policy policy) {
-  return [policy](const Engine& engine, const kvevict::Budget& budget) {
-    auto plan = policy.template plan<float, float>(budget);
-    for (Index l = 0; l < engine.model().config.n_layer; ++l) plan.add(engine.eviction_inputs(l));
-    return plan.apply();
-  };
-}
-
-/// Where a policy's budget is exact, checked after every compression (the engine and the library must agree):
-/// each KV head keeps n_kept rows, each layer keeps Hkv * n_kept, or the model keeps n_layer * Hkv * n_kept.
-enum class BudgetScope { head, layer, model };
-
 struct PolicyEntry {
-  const char* name;
+  std::string name;
   Compressor compress;  // empty: the full cache, no eviction
-  BudgetScope scope = BudgetScope::head;
+  kvevict::BudgetScope scope = kvevict::BudgetScope::head;  // checked after every compression
   bool ablation = false;  // run only when named in --policies or with --ablations
 };
 
-/// A preset with some of its parameters changed (the ablations).
-template <class Policy, class Edit>
-Policy with(Edit edit) {
-  typename Policy::Params p;
-  edit(p);
-  return Policy(p);
+/// The catalogue's policy `base` with `knobs` applied, under `name`.
+PolicyEntry entry(const std::string& name, const std::string& base, const kvevict::Knobs& knobs = {},
+                  bool ablation = false) {
+  PolicyEntry out{name, {}, kvevict::BudgetScope::head, ablation};
+  const bool found = kvevict::catalogue::visit(base, [&](const auto& e) {
+    out.scope = e.scope;
+    out.compress = [policy = e.make(knobs)](const Engine& engine, const kvevict::Budget& budget) {
+      return kvevict::select_layers(policy, engine.eviction_inputs(), budget);
+    };
+  });
+  if (!found) throw std::logic_error("kvevict-demo: no catalogue policy '" + base + "'");
+  return out;
 }
 
-/// The policies the demo compares, one line each.
+/// The policies the demo compares: the full cache, every catalogue policy, then the ablations (one part of a
+/// policy changed: which part helps or hurts on this model, and what the L2 Gram value term costs).
 const std::vector<PolicyEntry>& all_policies() {
-  static const std::vector<PolicyEntry> policies = {
-      {"full", {}},
-      {"streamingllm", per_layer(kvevict::StreamingLLM{}), BudgetScope::head},
-      {"snapkv", per_layer(kvevict::SnapKV{}), BudgetScope::head},
-      {"adakv", per_layer(kvevict::AdaKV{}), BudgetScope::layer},
-      {"criticalkv", per_layer(kvevict::CriticalKV{}), BudgetScope::layer},
-      {"criticalkv-snapkv", per_layer(kvevict::CriticalSnapKV{}), BudgetScope::head},
-      {"defensivekv", per_layer(kvevict::DefensiveKV{}), BudgetScope::layer},
-      {"layer-defensivekv", all_layers(kvevict::LayerDefensiveKV{}), BudgetScope::model},
-      {"adakv-defensive", per_layer(kvevict::AdaKVDefensive{}), BudgetScope::layer},
-      // Ablations: which part of a policy helps or hurts on this model (and what the L2 Gram value term costs).
-      {"criticalkv+l2", per_layer(with<kvevict::CriticalKV>([](auto& p) { p.value_norm = kvevict::ValueNorm::l2; })),
-       BudgetScope::layer, true},
-      {"defensivekv+l2", per_layer(with<kvevict::DefensiveKV>([](auto& p) { p.value_norm = kvevict::ValueNorm::l2; })),
-       BudgetScope::layer, true},
-      {"defensivekv-no-value", per_layer(with<kvevict::DefensiveKV>([](auto& p) { p.value_term = false; })),
-       BudgetScope::layer, true},
-      {"defensivekv-no-mass", per_layer(with<kvevict::DefensiveKV>([](auto& p) { p.mass_forcing = false; })),
-       BudgetScope::layer, true},
-      {"defensivekv+safeguard", per_layer(with<kvevict::DefensiveKV>([](auto& p) { p.alpha = 0.2; })),
-       BudgetScope::layer, true},
-      {"layer-defensivekv+l2",
-       all_layers(with<kvevict::LayerDefensiveKV>([](auto& p) { p.value_norm = kvevict::ValueNorm::l2; })),
-       BudgetScope::model, true},
-      {"layer-defensivekv-no-value",
-       all_layers(with<kvevict::LayerDefensiveKV>([](auto& p) { p.value_term = false; })), BudgetScope::model, true},
-  };
+  static const std::vector<PolicyEntry> policies = [] {
+    std::vector<PolicyEntry> list = {{"full", {}}};
+    kvevict::catalogue::for_each(kvevict::catalogue::entries(),
+                                 [&](const auto& e) { list.push_back(entry(std::string(e.name), std::string(e.name))); });
+    kvevict::Knobs l2, no_value, no_mass, safeguard;
+    l2.value_norm = kvevict::ValueNorm::l2;
+    no_value.value_term = false;
+    no_mass.mass_forcing = false;
+    safeguard.alpha = 0.2;
+    list.push_back(entry("criticalkv+l2", "criticalkv", l2, true));
+    list.push_back(entry("defensivekv+l2", "defensivekv", l2, true));
+    list.push_back(entry("defensivekv-no-value", "defensivekv", no_value, true));
+    list.push_back(entry("defensivekv-no-mass", "defensivekv", no_mass, true));
+    list.push_back(entry("defensivekv+safeguard", "defensivekv", safeguard, true));
+    list.push_back(entry("layer-defensivekv+l2", "layer-defensivekv", l2, true));
+    list.push_back(entry("layer-defensivekv-no-value", "layer-defensivekv", no_value, true));
+    return list;
+  }();
   return policies;
 }
 
@@ -145,7 +118,7 @@ void usage(std::FILE* out) {
                "  --keep LIST     keep ratios (default 0.2,0.1,0.05): n_kept = floor(keep * context length)\n"
                "  --policies LIST subset of:",
                Options{}.docs, Options{}.passkeys);
-  for (const auto& p : all_policies()) std::fprintf(out, " %s", p.name);
+  for (const auto& p : all_policies()) std::fprintf(out, " %s", p.name.c_str());
   std::fprintf(out,
                "\n  --json FILE     one record per (policy, keep)\n"
                "  --ablations     also run the ablations (names with + or -no-: one part of a policy changed)\n"
@@ -254,7 +227,7 @@ void check_budget(const PolicyEntry& policy, const Engine& engine, const std::ve
                   Index n_kept) {
   const auto& c = engine.model().config;
   const auto fail = [&](const std::string& what) {
-    throw std::logic_error(std::string(policy.name) + ": " + what + " (n_kept " + std::to_string(n_kept) + ")");
+    throw std::logic_error(policy.name + ": " + what + " (n_kept " + std::to_string(n_kept) + ")");
   };
   if (static_cast<Index>(selections.size()) != c.n_layer) fail("not one selection per layer");
   Index model_total = 0;
@@ -263,15 +236,15 @@ void check_budget(const PolicyEntry& policy, const Engine& engine, const std::ve
     if (s.heads() != c.n_kv_head) fail("layer " + std::to_string(l) + ": selection over the wrong number of heads");
     Index layer_total = 0;
     for (Index h = 0; h < s.heads(); ++h) {
-      if (policy.scope == BudgetScope::head && s.length(h) != n_kept)
+      if (policy.scope == kvevict::BudgetScope::head && s.length(h) != n_kept)
         fail("layer " + std::to_string(l) + " head " + std::to_string(h) + " keeps " + std::to_string(s.length(h)));
       layer_total += s.length(h);
     }
-    if (policy.scope == BudgetScope::layer && layer_total != c.n_kv_head * n_kept)
+    if (policy.scope == kvevict::BudgetScope::layer && layer_total != c.n_kv_head * n_kept)
       fail("layer " + std::to_string(l) + " keeps " + std::to_string(layer_total) + " rows");
     model_total += layer_total;
   }
-  if (policy.scope == BudgetScope::model && model_total != c.n_layer * c.n_kv_head * n_kept)
+  if (policy.scope == kvevict::BudgetScope::model && model_total != c.n_layer * c.n_kv_head * n_kept)
     fail("the model keeps " + std::to_string(model_total) + " rows");
 }
 

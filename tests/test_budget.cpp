@@ -80,10 +80,11 @@ TEST_CASE("well-known truncation cases of the ratio forms", "[budget]") {
 }
 
 TEST_CASE("n_kept out of [1, L] is an error for all three budget forms", "[budget][errors]") {
-  REQUIRE_THROWS_MATCHES(Budget::tokens(0).n_kept(32), kvevict::invalid_argument,
-                         MessageContains("n_kept must be in [1, 32] (the context length), got 0"));
-  REQUIRE_THROWS_MATCHES(Budget::tokens(-3).n_kept(32), kvevict::invalid_argument,
-                         MessageContains("n_kept must be in [1, 32] (the context length), got -3"));
+  // A token count below 1 is refused when the budget is made, as a ratio out of range is.
+  REQUIRE_THROWS_MATCHES(Budget::tokens(0), kvevict::invalid_argument,
+                         MessageContains("kvevict::Budget: tokens must be >= 1, got 0"));
+  REQUIRE_THROWS_MATCHES(Budget::tokens(-3), kvevict::invalid_argument,
+                         MessageContains("kvevict::Budget: tokens must be >= 1, got -3"));
   REQUIRE_THROWS_MATCHES(Budget::tokens(33).n_kept(32), kvevict::invalid_argument,
                          MessageContains("n_kept must be in [1, 32] (the context length), got 33"));
   // The ratio forms cannot exceed L; they can round down to 0.
@@ -93,7 +94,7 @@ TEST_CASE("n_kept out of [1, L] is an error for all three budget forms", "[budge
       Budget::compression_ratio(0.99).n_kept(32), kvevict::invalid_argument,
       MessageContains("n_kept must be in [1, 32] (the context length), got 0 from compression ratio 0.99"));
   // The caller's entry point names itself.
-  REQUIRE_THROWS_MATCHES(Budget::tokens(0).n_kept(32, "select"), kvevict::invalid_argument,
+  REQUIRE_THROWS_MATCHES(Budget::tokens(33).n_kept(32, "select"), kvevict::invalid_argument,
                          MessageContains("kvevict::select: n_kept"));
 }
 

@@ -321,9 +321,9 @@ TEST_CASE("CriticalKV parameters: defaults, validation, and quirks with any budg
   CHECK_FALSE(c.params().reference_quirks);
   static_assert(std::is_same_v<kvevict::CriticalKV::Allocation, kvevict::HeadAdaptiveAllocation>);
   static_assert(std::is_same_v<kvevict::CriticalSnapKV::Allocation, kvevict::UniformAllocation>);
-  static_assert(std::is_same_v<kvevict::CriticalSnapKV, kvevict::Policy<kvevict::SnapKV, kvevict::CriticalSelector>>);
-  static_assert(std::is_same_v<kvevict::CriticalKV, kvevict::Policy<kvevict::AdaKV, kvevict::CriticalSelector>>);
-  static_assert(std::is_same_v<kvevict::LayerDefensiveKV, kvevict::LayerGlobalPolicy<kvevict::DefensiveSelector>>);
+  static_assert(std::is_base_of_v<kvevict::Policy<kvevict::SnapKV, kvevict::CriticalSelector>, kvevict::CriticalSnapKV>);
+  static_assert(std::is_base_of_v<kvevict::Policy<kvevict::AdaKV, kvevict::CriticalSelector>, kvevict::CriticalKV>);
+  static_assert(std::is_base_of_v<kvevict::LayerGlobalPolicy<kvevict::DefensiveSelector>, kvevict::LayerDefensiveKV>);
   using kvevict_test::MessageContains;
   for (double eps : {-1e-9, -1.0, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
     kvevict::CriticalKV::Params p;
@@ -331,7 +331,7 @@ TEST_CASE("CriticalKV parameters: defaults, validation, and quirks with any budg
     REQUIRE_THROWS_MATCHES(kvevict::CriticalKV(p), kvevict::invalid_argument, MessageContains("eps must be finite and >= 0"));
     kvevict::CriticalSnapKV::Params q;
     q.eps = eps;
-    REQUIRE_THROWS_MATCHES(kvevict::CriticalSnapKV(q), kvevict::invalid_argument, MessageContains("kvevict::Policy: eps"));
+    REQUIRE_THROWS_MATCHES(kvevict::CriticalSnapKV(q), kvevict::invalid_argument, MessageContains("kvevict::CriticalSnapKV::Params: eps"));
   }
   for (double r : {-0.1, 1.01, 2.0, std::numeric_limits<double>::quiet_NaN()}) {
     kvevict::CriticalKV::Params p;

@@ -157,7 +157,7 @@ TEST_CASE("DefensiveKV on the hand-worked layer under reference_quirks: the flat
   // Quirks need the budget as a compression ratio.
   for (const Budget& b : {Budget::tokens(6), Budget::keep_ratio(0.5)})
     REQUIRE_THROWS_MATCHES(q.select<double>(hand_layer().in, b), kvevict::invalid_argument,
-                           MessageContains("kvevict::select: reference_quirks needs the budget as a compression ratio"));
+                           MessageContains("::select: reference_quirks needs the budget as a compression ratio"));
 }
 
 TEST_CASE("DefensiveKV quirks on a short context: the negative cap forces a low-scored token over the best one",
@@ -436,8 +436,16 @@ TEST_CASE("DefensiveKV family: budget accounting, window and forced tokens kept,
           CHECK(u.kept(h, j));
           CHECK(a.kept(h, j));
         }
-        // Forced tokens carry the layer maximum of s' (2.6 as written), so they are kept unless a more recent token
-        // ties that maximum; which ones survive is checked against the reference above, not here.
+      }
+      // Corrected mode: the mass-forced tokens are kept strictly first, on every base (they fit: at most n - w per
+      // head). Forced sets are the reference's on the library's own float rows; a near-tie at tau is skipped.
+      if (n >= s.w && kvevict_test::mass_margin(rows_d, s, k.threshold, false) > 1e-5) {
+        const Forced forced = kvevict_ref::mass_forced(rows_d, s.H, s.Hkv, s.w, s.L, k.threshold, n, false, 0.0);
+        for (Index h = 0; h < s.Hkv; ++h)
+          for (std::int64_t j : forced[sz(h)]) {
+            CHECK(f.kept(h, j));
+            CHECK(u.kept(h, j));
+          }
       }
       const Kept kf = kvevict_test::kept_of(f), ku = kvevict_test::kept_of(u), ka_ = kvevict_test::kept_of(a);
       CHECK(kvevict_test::kept_of(flat.select(hm.in, b)) == kf);
@@ -501,11 +509,11 @@ TEST_CASE("DefensiveKV parameters: defaults and validation", "[defensive_selecto
     kvevict::DefensiveKV::Params p;
     p.mass_threshold = t;
     REQUIRE_THROWS_MATCHES(kvevict::DefensiveKV(p), kvevict::invalid_argument,
-                           MessageContains("kvevict::Policy: mass_threshold must be in [0, 1], got "));
+                           MessageContains("kvevict::DefensiveKV::Params: mass_threshold must be in [0, 1], got "));
     kvevict::LayerDefensiveKV::Params q;
     q.mass_threshold = t;
     REQUIRE_THROWS_MATCHES(kvevict::LayerDefensiveKV(q), kvevict::invalid_argument,
-                           MessageContains("kvevict::LayerGlobalPolicy: mass_threshold must be in [0, 1]"));
+                           MessageContains("kvevict::LayerDefensiveKV::Params: mass_threshold must be in [0, 1]"));
   }
   for (double t : {0.0, 1.0}) {
     kvevict::DefensiveKV::Params p;
@@ -538,7 +546,7 @@ TEST_CASE("value-aware selectors: missing or mismatched values / W_o and NaN val
   SECTION("missing values") {
     auto st = kvevict_test::store_v<float>(l, Layout::heads_major);
     st.in.values = {};
-    all_throw(st.in, "kvevict::select: this policy needs values [kv_heads, tokens, head_dim] (LayerInputs::values)");
+    all_throw(st.in, "this policy needs values [kv_heads, tokens, head_dim] (LayerInputs::values)");
     CHECK(defensive_no_value.select(st.in, b).total() == 2 * 10);  // the ablation reads neither
   }
   SECTION("missing W_o") {
@@ -581,4 +589,52 @@ TEST_CASE("value-aware selectors: missing or mismatched values / W_o and NaN val
     poisoned.w_o[5] = std::numeric_limits<double>::quiet_NaN();
     all_throw(kvevict_test::store_v<float>(poisoned, Layout::heads_major).in, "is not finite");
   }
+}
+
+TEST_CASE("Single-layer DefensiveKV keeps forced and window tokens first in the corrected mode; under quirks a more "
+          "recent token tied at the layer maximum displaces a forced one",
+          "[defensive_selector][ruling]") {
+  // One KV head, two query heads (G = 2), L = 10, w = 1 (P = 9, window = token 9), kernel 1 (no smoothing).
+  //   query head 0: token 5 = .5, token 7 = .5        query head 1: token 5 = .5, token 7 = .3, token 9 = .2
+  // Mass forcing: p (mean over heads, normalised over the prefix) is 5/9 for token 5, 4/9 for token 7. Corrected
+  // tau = .9 - (0 + .2) / 2 = .8; quirks tau = .9 - (mass on token 8 = 0) = .9. Either way c = 5/9, 1 reaches tau
+  // at index 1: token 5 alone is forced (cap 1 in both modes below).
+  // Defensive aggregation: M = max over heads = .5 for tokens 5 and 7, the floor 1/9 elsewhere; with one KV head the
+  // normalised value term is exactly 1, so s' = M and tokens 5 and 7 tie at the layer maximum .5.
+  // Budget: n_kept = 2 (cr .75 under quirks: n_kept int(2.5) = 2, total 2, cap int(9 * .25 - 1) = 1).
+  //   corrected: forced token 5 and the window are kept in tiers above every score     -> {5, 9}
+  //   quirks:    5, 7 and 9 all carry .5; exact ties go to the more recent: 9, 7        -> {7, 9}
+  constexpr Index H = 2, L = 10, w = 1, d = 4, D = 6;
+  std::vector<double> attention(H * L, 0.0);
+  attention[5] = 0.5;
+  attention[7] = 0.5;
+  attention[L + 5] = 0.5;
+  attention[L + 7] = 0.3;
+  attention[L + 9] = 0.2;
+  std::vector<double> keys(L * d, 0.25), values(L * d), w_o(D * H * d);
+  for (std::size_t i = 0; i < values.size(); ++i) values[i] = 0.1 + 0.01 * static_cast<double>(i);
+  for (std::size_t i = 0; i < w_o.size(); ++i) w_o[i] = 0.3 - 0.02 * static_cast<double>(i);
+  kvevict::LayerInputs<double> in;
+  in.attention = kvevict::HeadsView<const double>::heads_major(attention.data(), H, w, L);
+  in.keys = kvevict::kv_heads_major<const double>(keys.data(), 1, L, d);
+  in.values = kvevict::kv_heads_major<const double>(values.data(), 1, L, d);
+  in.w_o = kvevict::output_projection<const double>(w_o.data(), D, H, d);
+  kvevict::DefensiveKV::Params p;
+  p.window = w;
+  p.kernel = 1;
+  CHECK(kvevict_test::kept_of(kvevict::DefensiveKV(p).select<double>(in, Budget::tokens(2))) == Kept{{5, 9}});
+  CHECK(kvevict_test::kept_of(kvevict::DefensiveKV(p).select<float>(in, Budget::tokens(2))) == Kept{{5, 9}});
+  p.reference_quirks = true;
+  CHECK(kvevict_test::kept_of(kvevict::DefensiveKV(p).select<double>(in, Budget::compression_ratio(0.75))) ==
+        Kept{{7, 9}});
+  // The reference agrees in both modes.
+  const std::vector<double> sprime = {1. / 9, 1. / 9, 1. / 9, 1. / 9, 1. / 9, 0.5, 1. / 9, 0.5, 1. / 9};
+  CHECK(kvevict_ref::defensivekv(sprime, Forced{{5}}, 1, w, L, 2, 0.0, false, 0.0) == Kept{{5, 9}});
+  CHECK(kvevict_ref::defensivekv(sprime, Forced{{5}}, 1, w, L, 2, 0.0, true, 0.75) == Kept{{7, 9}});
+  // Layer-global (one layer) keeps forced tokens first as well.
+  kvevict::LayerDefensiveKV::Params lp;
+  lp.window = w;
+  lp.kernel = 1;
+  CHECK(kvevict_test::kept_of(kvevict::LayerDefensiveKV(lp).select<double>(
+            std::vector<kvevict::LayerInputs<double>>{in}, Budget::tokens(2))[0]) == Kept{{5, 9}});
 }

@@ -56,7 +56,7 @@ TEST_CASE("window >= context length", "[errors]") {
   in.keys = kvevict::kv_heads_major<const float>(k.data(), s.Hkv, s.L, s.d);
   const auto snap = with_window<kvevict::SnapKV>(40);
   REQUIRE_THROWS_MATCHES(snap.select(in, Budget::tokens(8)), kvevict::invalid_argument,
-                         MessageContains("kvevict::select: window (40) must be smaller than the context length (32)"));
+                         MessageContains("kvevict::SnapKV::select: window (40) must be smaller than the context length (32)"));
   REQUIRE_THROWS_MATCHES(with_window<kvevict::AdaKV>(40).select(in, Budget::tokens(8)), kvevict::invalid_argument,
                          MessageContains("window (40) must be smaller than the context length (32)"));
   // window == L leaves no prefix: also an error.
@@ -85,7 +85,7 @@ TEST_CASE("window < 1, even or non-positive kernel, alpha out of range: rejected
     kvevict::AdaKV::Params p;
     p.alpha = a;
     REQUIRE_THROWS_MATCHES(kvevict::AdaKV(p), kvevict::invalid_argument,
-                           MessageContains("kvevict::Policy: alpha must be in [0, 1], got"));
+                           MessageContains("kvevict::AdaKV::Params: alpha must be in [0, 1], got"));
   }
   kvevict::AdaKV::Params p;
   p.alpha = kNaN;
@@ -212,9 +212,11 @@ TEST_CASE("budget errors at the select entry point (all three forms)", "[errors]
     REQUIRE_THROWS_MATCHES(orig.select(st.in, b), kvevict::invalid_argument, MessageContains(part));
     REQUIRE_THROWS_MATCHES(stream.select(st.in, b), kvevict::invalid_argument, MessageContains(part));
   };
-  all(Budget::tokens(0), "kvevict::select: n_kept must be in [1, 40] (the context length), got 0");
-  all(Budget::tokens(41), "kvevict::select: n_kept must be in [1, 40] (the context length), got 41");
-  all(Budget::tokens(-7), "n_kept must be in [1, 40] (the context length), got -7");
+  all(Budget::tokens(41), "::select: n_kept must be in [1, 40] (the context length), got 41");
+  REQUIRE_THROWS_MATCHES(snap.select(st.in, Budget::tokens(41)), kvevict::invalid_argument,
+                         MessageContains("kvevict::SnapKV::select: n_kept must be in [1, 40]"));
+  REQUIRE_THROWS_MATCHES(Budget::tokens(0), kvevict::invalid_argument, MessageContains("tokens must be >= 1, got 0"));
+  REQUIRE_THROWS_MATCHES(Budget::tokens(-7), kvevict::invalid_argument, MessageContains("tokens must be >= 1, got -7"));
   all(Budget::keep_ratio(0.02), "n_kept must be in [1, 40] (the context length), got 0 from keep ratio 0.02");
   all(Budget::compression_ratio(0.99),
       "n_kept must be in [1, 40] (the context length), got 0 from compression ratio 0.99");

@@ -159,7 +159,7 @@ TEST_CASE("Layer-DefensiveKV on two hand-worked layers: a forced token kept in c
   CHECK(sels[0].total() + sels[1].total() == 31);
   // Plan: score layer by layer, then apply, is the same as select. (A Plan refers to its policy, which must outlive it.)
   const kvevict::LayerDefensiveKV corrected_policy = hand_policy(false);
-  auto plan = corrected_policy.plan<double, double>(cr35);
+  auto plan = corrected_policy.plan<double>(cr35);
   plan.add(model.l0.in);
   plan.add(model.l1.in);
   CHECK(kvevict_test::kept_of(plan.apply()) == want_corrected);
@@ -352,7 +352,7 @@ TEST_CASE("Layer-DefensiveKV: model total, forced and window tokens kept, plan =
       const std::vector<Kept> want = kvevict_test::kept_of(sels);
       CHECK(kvevict_test::kept_of(policy.select(in_hm, Budget::tokens(n))) == want);
       CHECK(kvevict_test::kept_of(policy.select(in_tm, Budget::tokens(n))) == want);
-      auto plan = policy.plan<float, float>(Budget::tokens(n));
+      auto plan = policy.plan<float>(Budget::tokens(n));
       for (const auto& in : in_tm) plan.add(in);
       CHECK(kvevict_test::kept_of(plan.apply()) == want);
       CHECK(kvevict_test::kept_of(plan.apply()) == want);  // apply() is const and repeatable
@@ -387,7 +387,7 @@ TEST_CASE("Layer-DefensiveKV over layers of different shapes (corrected): the to
   kvevict::LayerDefensiveKV::Params p;
   p.window = 4;
   const kvevict::LayerDefensiveKV policy(p);
-  auto plan = policy.plan<double, double>(Budget::keep_ratio(0.25));  // n_kept 15, 25, 7
+  auto plan = policy.plan<double>(Budget::keep_ratio(0.25));  // n_kept 15, 25, 7
   for (const auto& st : stored) plan.add(st.in);
   stored.clear();  // the plan holds no view of the inputs: they may go after add()
   const std::vector<Selection> sels = plan.apply();
@@ -405,7 +405,7 @@ TEST_CASE("Layer-DefensiveKV over layers of different shapes (corrected): the to
   std::vector<kvevict_test::VStored<double>> again;
   for (const Shape& s : {shapes[0], shapes[1]})
     again.push_back(kvevict_test::store_v<double>(kvevict_test::random_vlayer(s, 8, rng), Layout::heads_major));
-  auto qplan = quirky.plan<double, double>(Budget::compression_ratio(0.5));
+  auto qplan = quirky.plan<double>(Budget::compression_ratio(0.5));
   qplan.add(again[0].in);
   REQUIRE_THROWS_MATCHES(qplan.add(again[1].in), kvevict::invalid_argument,
                          MessageContains("reference_quirks needs every layer to have the same tokens and KV heads, "
@@ -414,28 +414,28 @@ TEST_CASE("Layer-DefensiveKV over layers of different shapes (corrected): the to
 
 TEST_CASE("LayerGlobalPolicy errors: no layer, bad layer shapes, bad params", "[layer_global][errors]") {
   const kvevict::LayerDefensiveKV policy;
-  const auto plan = policy.plan<float, float>(Budget::tokens(8));
+  const auto plan = policy.plan<float>(Budget::tokens(8));
   REQUIRE_THROWS_MATCHES(plan.apply(), kvevict::invalid_argument,
-                         MessageContains("kvevict::LayerGlobalPolicy::apply: no layer was added"));
+                         MessageContains("kvevict::LayerDefensiveKV::apply: no layer was added"));
   REQUIRE_THROWS_MATCHES(policy.select(std::vector<kvevict::LayerInputs<float>>{}, Budget::tokens(8)),
                          kvevict::invalid_argument, MessageContains("no layer was added"));
   // The default window (32) does not fit a 20-token layer.
   Rng rng(904);
   const Shape s{4, 2, 4, 20, 8};
   const auto st = kvevict_test::store_v<float>(kvevict_test::random_vlayer(s, 8, rng), Layout::heads_major);
-  auto p2 = policy.plan<float, float>(Budget::tokens(8));
+  auto p2 = policy.plan<float>(Budget::tokens(8));
   REQUIRE_THROWS_MATCHES(p2.add(st.in), kvevict::invalid_argument,
-                         MessageContains("kvevict::LayerGlobalPolicy::add: window (32) must be smaller than the context "
+                         MessageContains("kvevict::LayerDefensiveKV::add (layer 0): window (32) must be smaller than the context "
                                          "length (20)"));
   kvevict::LayerDefensiveKV::Params p;
   p.window = 4;
   const kvevict::LayerDefensiveKV ok(p);
-  auto p3 = ok.plan<float, float>(Budget::tokens(21));
+  auto p3 = ok.plan<float>(Budget::tokens(21));
   REQUIRE_THROWS_MATCHES(p3.add(st.in), kvevict::invalid_argument, MessageContains("n_kept must be in [1, 20]"));
   kvevict::LayerGlobalPolicy<kvevict::CriticalSelector>::Params cp;
   cp.first_stage_ratio = 1.5;
   REQUIRE_THROWS_MATCHES(kvevict::LayerGlobalPolicy<kvevict::CriticalSelector>(cp), kvevict::invalid_argument,
-                         MessageContains("kvevict::LayerGlobalPolicy: first_stage_ratio must be in [0, 1]"));
+                         MessageContains("kvevict::LayerGlobalPolicy<CriticalSelector>::Params: first_stage_ratio must be in [0, 1]"));
   cp.first_stage_ratio = 0.5;
   cp.kernel = 4;
   REQUIRE_THROWS_MATCHES(kvevict::LayerGlobalPolicy<kvevict::CriticalSelector>(cp), kvevict::invalid_argument,

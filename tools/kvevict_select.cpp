@@ -27,7 +27,7 @@
 
 namespace {
 
-namespace st = kvevict::safetensors;
+namespace st = safetensors;
 
 int run(const kvevict::tools::Options& opt) {
   const std::vector<kvevict::Selection> selections = kvevict::tools::select_layers(opt, st::file::open(opt.input));

@@ -20,78 +20,57 @@ struct usage_error : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// Named policies and the (base, selector) pair each one stands for, with the preset's own settings.
-struct PolicyName {
-  const char* name;
-  const char* base;
-  const char* selector;
-  bool flat = false;          ///< head-adaptive without the safeguard (alpha 0): DefensiveKV's flat top-k
-  bool aggregation_only = false;  ///< defensive aggregation alone (no value term, no mass forcing)
-};
-inline const std::vector<PolicyName>& policy_names() {
-  static const std::vector<PolicyName> names = {
-      {"snapkv", "snapkv", "attention"},
-      {"adakv", "adakv", "attention"},
-      {"streamingllm", "streamingllm", "none"},
-      {"criticalkv", "adakv", "critical"},
-      {"criticalkv-snapkv", "snapkv", "critical"},
-      {"defensivekv", "adakv", "defensive", true},
-      {"layer-defensivekv", "layer", "defensive"},
-      {"adakv-defensive", "adakv", "defensive", false, true},
-  };
-  return names;
-}
-
-inline std::string policy_list() {
-  std::string out;
-  for (const PolicyName& p : policy_names()) out += (out.empty() ? "" : ", ") + std::string(p.name);
-  return out;
-}
-
 struct Options {
   std::string input, output;
-  std::string policy;  // the named policy, or "<base>+<selector>" when composed
-  std::string base = "snapkv", selector = "attention";
+  std::string policy;  // the catalogue name, or "<base>+<selector>" when composed
+  bool composed = false;
+  std::string base, selector;
   std::optional<kvevict::Budget> budget;
   std::string budget_text;
-  std::optional<Index> window;
-  kvevict::Pooling pooling = kvevict::Pooling::avg;
-  Index kernel = 5;
-  double alpha = 0.2;
-  kvevict::HeadAdaptiveAllocation::Variant adakv_variant = kvevict::HeadAdaptiveAllocation::Variant::kvpress;
-  Index sinks = 4;
+  kvevict::Knobs knobs;  // the options given; knobs.window defaults to the rows of q_window / window_attention
   std::string precision = "f32";
-  bool reference_quirks = false;
-  // selectors
-  double eps = 1e-4;
-  double first_stage_ratio = 0.5;
-  kvevict::ValueNorm value_norm = kvevict::ValueNorm::l1;
-  double mass_threshold = 0.9;
-  bool floor = true;
-  bool flat = false;
-  bool aggregation_only = false;
 
   std::map<std::string, std::string> metadata() const {
-    return {{"policy", policy}, {"base", base},     {"selector", selector},
-            {"budget", budget_text}, {"precision", precision}, {"reference_quirks", reference_quirks ? "1" : "0"}};
+    return {{"policy", policy},
+            {"base", base},
+            {"selector", selector},
+            {"budget", budget_text},
+            {"precision", precision},
+            {"reference_quirks", knobs.reference_quirks.value_or(false) ? "1" : "0"}};
   }
 };
 
-inline const char* usage_text() {
+/// Calls f(entry) with the catalogue entry (kvevict/policy/catalogue.hpp) the options name.
+template <class F>
+void visit_policy(const Options& o, F&& f) {
+  const bool found = o.composed ? kvevict::catalogue::compose(o.base, o.selector, f)
+                                : kvevict::catalogue::visit(o.policy, f);
+  KVEVICT_ASSERT(found);  // parse_options checked the names
+  (void)found;
+}
+
+inline std::string usage_text() {
+  std::string policies, bases;
+  kvevict::catalogue::for_each(kvevict::catalogue::entries(), [&](const auto& e) {
+    policies += "  " + std::string(e.name) + std::string(20 - std::min<std::size_t>(19, e.name.size()), ' ') +
+                std::string(e.summary) + "\n";
+  });
+  kvevict::catalogue::for_each(kvevict::catalogue::bases(), [&](const auto& e) {
+    bases += (bases.empty() ? "" : ", ") + std::string(e.name) + " (" + std::string(e.summary) + ")";
+  });
   return "usage: kvevict-select (--policy NAME | --base B --selector S) (--budget N | --keep R | --compression-ratio CR)\n"
          "                      [options] INPUT.safetensors OUTPUT.safetensors\n"
-         "policies:  snapkv, adakv, streamingllm, criticalkv, criticalkv-snapkv, defensivekv, layer-defensivekv,\n"
-         "           adakv-defensive\n"
-         "bases:     snapkv (uniform), adakv (head-adaptive), layer (layer-global)\n"
-         "selectors: attention, critical (CriticalKV), defensive (DefensiveKV)\n"
-         "options:\n"
+         "policies:\n" + policies +
+         "bases:     " + bases + "\n"
+         "selectors: " + kvevict::catalogue::names(kvevict::catalogue::selectors()) + "\n"
+         "options (each applies to the policies whose parameters have it; the defaults are each policy's own):\n"
          "  --budget N                tokens kept per KV head on average, window included (1 <= N <= L)\n"
          "  --keep R                  keep ratio in (0, 1]: n_kept = int(L * R)\n"
          "  --compression-ratio CR    fraction removed in [0, 1): n_kept = int(L * (1 - CR))\n"
          "  --window W                observation window (default: the rows of q_window / window_attention)\n"
          "  --pool avg|max            pooling along tokens (default avg)\n"
          "  --kernel K                odd pooling kernel (default 5)\n"
-         "  --alpha A                 AdaKV safeguard fraction in [0, 1] (default 0.2)\n"
+         "  --alpha A                 AdaKV safeguard fraction in [0, 1] (default 0.2; DefensiveKV 0)\n"
          "  --adakv-variant kvpress|original   AdaKV allocation (default kvpress)\n"
          "  --sinks N                 StreamingLLM sink tokens (default 4)\n"
          "  --precision f32|f64       arithmetic precision (default f32)\n"
@@ -121,6 +100,24 @@ inline Index parse_int(const std::string& flag, const std::string& text) {
   const long long v = std::strtoll(text.c_str(), &end, 10);
   if (text.empty() || *end != '\0' || errno == ERANGE) throw usage_error(flag + " expects an integer, got '" + text + "'");
   return static_cast<Index>(v);
+}
+
+/// The base and selector a named policy stands for (the output's metadata): its allocation and its scoring.
+template <class Entry>
+void name_parts(const Entry&, Options& o) {
+  using P = typename Entry::policy_type;
+  if constexpr (std::is_same_v<P, kvevict::StreamingLLM>) {
+    o.base = "streamingllm";
+    o.selector = "none";
+  } else {
+    if constexpr (Entry::layer_global)
+      o.base = "layer";
+    else
+      o.base = Entry::scope == kvevict::BudgetScope::head ? "snapkv" : "adakv";
+    kvevict::catalogue::for_each(kvevict::catalogue::selectors(), [&](const auto& s) {
+      if (std::is_same_v<typename std::decay_t<decltype(s)>::selector_type, typename P::SelectorType>) o.selector = s.name;
+    });
+  }
 }
 
 /// Parses argv; returns nullopt after printing --help. Throws usage_error on any bad argument.
@@ -161,49 +158,55 @@ inline std::optional<Options> parse_options(int argc, char** argv) {
       o.budget_text = "compression_ratio=" + std::string(argv[i]);
       ++budgets;
     } else if (a == "--window") {
-      o.window = parse_int(a, value());
-      if (*o.window < 1) throw usage_error("--window must be >= 1, got " + std::string(argv[i]));
+      o.knobs.window = parse_int(a, value());
+      if (*o.knobs.window < 1) throw usage_error("--window must be >= 1, got " + std::string(argv[i]));
     } else if (a == "--pool") {
       const std::string p = value();
       if (p != "avg" && p != "max") throw usage_error("--pool must be avg or max, got '" + p + "'");
-      o.pooling = p == "avg" ? kvevict::Pooling::avg : kvevict::Pooling::max;
+      o.knobs.pooling = p == "avg" ? kvevict::Pooling::avg : kvevict::Pooling::max;
     } else if (a == "--kernel") {
-      o.kernel = parse_int(a, value());
-      if (o.kernel < 1 || o.kernel % 2 == 0) throw usage_error("--kernel must be an odd number >= 1, got " + std::string(argv[i]));
+      const Index kernel = parse_int(a, value());
+      o.knobs.kernel = kernel;
+      if (kernel < 1 || kernel % 2 == 0) throw usage_error("--kernel must be an odd number >= 1, got " + std::string(argv[i]));
     } else if (a == "--alpha") {
-      o.alpha = parse_double(a, value());
-      if (o.alpha < 0.0 || o.alpha > 1.0) throw usage_error("--alpha must be in [0, 1], got " + std::string(argv[i]));
+      const double alpha = parse_double(a, value());
+      o.knobs.alpha = alpha;
+      if (alpha < 0.0 || alpha > 1.0) throw usage_error("--alpha must be in [0, 1], got " + std::string(argv[i]));
     } else if (a == "--adakv-variant") {
       const std::string v = value();
       if (v != "kvpress" && v != "original") throw usage_error("--adakv-variant must be kvpress or original, got '" + v + "'");
-      o.adakv_variant = v == "kvpress" ? kvevict::HeadAdaptiveAllocation::Variant::kvpress
+      o.knobs.adakv_variant = v == "kvpress" ? kvevict::HeadAdaptiveAllocation::Variant::kvpress
                                        : kvevict::HeadAdaptiveAllocation::Variant::original;
     } else if (a == "--sinks") {
-      o.sinks = parse_int(a, value());
-      if (o.sinks < 0) throw usage_error("--sinks must be >= 0, got " + std::string(argv[i]));
+      const Index sinks = parse_int(a, value());
+      o.knobs.sinks = sinks;
+      if (sinks < 0) throw usage_error("--sinks must be >= 0, got " + std::string(argv[i]));
     } else if (a == "--precision") {
       o.precision = value();
       if (o.precision != "f32" && o.precision != "f64")
         throw usage_error("--precision must be f32 or f64, got '" + o.precision + "'");
     } else if (a == "--reference-quirks") {
-      o.reference_quirks = true;
+      o.knobs.reference_quirks = true;
     } else if (a == "--eps") {
-      o.eps = parse_double(a, value());
-      if (o.eps < 0.0) throw usage_error("--eps must be >= 0, got " + std::string(argv[i]));
+      const double eps = parse_double(a, value());
+      o.knobs.eps = eps;
+      if (eps < 0.0) throw usage_error("--eps must be >= 0, got " + std::string(argv[i]));
     } else if (a == "--first-stage-ratio") {
-      o.first_stage_ratio = parse_double(a, value());
-      if (o.first_stage_ratio < 0.0 || o.first_stage_ratio > 1.0)
+      const double ratio = parse_double(a, value());
+      o.knobs.first_stage_ratio = ratio;
+      if (ratio < 0.0 || ratio > 1.0)
         throw usage_error("--first-stage-ratio must be in [0, 1], got " + std::string(argv[i]));
     } else if (a == "--value-norm") {
       const std::string v = value();
       if (v != "l1" && v != "l2") throw usage_error("--value-norm must be l1 or l2, got '" + v + "'");
-      o.value_norm = v == "l1" ? kvevict::ValueNorm::l1 : kvevict::ValueNorm::l2;
+      o.knobs.value_norm = v == "l1" ? kvevict::ValueNorm::l1 : kvevict::ValueNorm::l2;
     } else if (a == "--mass-threshold") {
-      o.mass_threshold = parse_double(a, value());
-      if (o.mass_threshold < 0.0 || o.mass_threshold > 1.0)
+      const double threshold = parse_double(a, value());
+      o.knobs.mass_threshold = threshold;
+      if (threshold < 0.0 || threshold > 1.0)
         throw usage_error("--mass-threshold must be in [0, 1], got " + std::string(argv[i]));
     } else if (a == "--no-floor") {
-      o.floor = false;
+      o.knobs.floor = false;
     } else if (a.size() > 1 && a[0] == '-') {
       throw usage_error("unknown option '" + a + "'");
     } else {
@@ -220,113 +223,35 @@ inline std::optional<Options> parse_options(int argc, char** argv) {
   if (policy && (base || selector)) throw usage_error("give either --policy or --base/--selector, not both");
   if (!policy && !base && !selector) throw usage_error("a policy is required: --policy NAME or --base B --selector S");
   if (policy) {
-    bool found = false;
-    for (const PolicyName& p : policy_names())
-      if (*policy == p.name) {
-        o.base = p.base;
-        o.selector = p.selector;
-        o.flat = p.flat;
-        o.aggregation_only = p.aggregation_only;
-        found = true;
-      }
-    if (!found) throw usage_error("unknown policy '" + *policy + "' (expected one of " + policy_list() + ")");
     o.policy = *policy;
+    if (!kvevict::catalogue::visit(o.policy, [&](const auto& e) { name_parts(e, o); }))
+      throw usage_error("unknown policy '" + *policy + "' (expected one of " +
+                        kvevict::catalogue::names(kvevict::catalogue::entries()) + ")");
   } else {
+    o.composed = true;
     o.base = base.value_or("snapkv");
     o.selector = selector.value_or("attention");
-    if (o.base != "snapkv" && o.base != "adakv" && o.base != "layer")
-      throw usage_error("unknown base '" + o.base + "' (expected snapkv, adakv or layer)");
-    if (o.selector != "attention" && o.selector != "critical" && o.selector != "defensive")
-      throw usage_error("unknown selector '" + o.selector + "' (expected attention, critical or defensive)");
+    if (!kvevict::catalogue::contains(kvevict::catalogue::bases(), o.base))
+      throw usage_error("unknown base '" + o.base + "' (expected one of " +
+                        kvevict::catalogue::names(kvevict::catalogue::bases()) + ")");
+    if (!kvevict::catalogue::contains(kvevict::catalogue::selectors(), o.selector))
+      throw usage_error("unknown selector '" + o.selector + "' (expected one of " +
+                        kvevict::catalogue::names(kvevict::catalogue::selectors()) + ")");
     o.policy = o.base + "+" + o.selector;
   }
   return o;
 }
 
-/// Copies the command line's numbers into a policy's flat Params (fields the policy lacks are skipped).
-template <class Params>
-void fill_params(const Options& o, Index window, Params& p) {
-  p.window = window;
-  p.pooling = o.pooling;
-  p.kernel = o.kernel;
-  p.reference_quirks = o.reference_quirks;
-  if constexpr (std::is_base_of_v<kvevict::HeadAdaptiveAllocation::Params, Params>) {
-    p.alpha = o.flat ? 0.0 : o.alpha;
-    p.variant = o.adakv_variant;
-  }
-  if constexpr (std::is_base_of_v<kvevict::CriticalSelector::Params, Params>) {
-    p.eps = o.eps;
-    p.first_stage_ratio = o.first_stage_ratio;
-    p.value_norm = o.value_norm;
-  }
-  if constexpr (std::is_base_of_v<kvevict::DefensiveSelector::Params, Params>) {
-    p.mass_threshold = o.mass_threshold;
-    p.value_norm = o.value_norm;
-    p.floor = o.floor;
-    p.value_term = !o.aggregation_only;
-    p.mass_forcing = !o.aggregation_only;
-  }
-}
-
-template <class T>
-struct type_tag {
-  using type = T;
-};
-
-/// Runs the selector on the base the options name, over every layer (layer-global bases see them all at once).
-template <class S, class Selector>
-std::vector<kvevict::Selection> run_selector(const Options& o, const std::vector<kvevict::LayerInputs<S>>& layers,
-                                             Index window) {
-  std::vector<kvevict::Selection> out;
-  if (o.base == "layer") {
-    typename kvevict::LayerGlobalPolicy<Selector>::Params p;
-    fill_params(o, window, p);
-    const kvevict::LayerGlobalPolicy<Selector> policy(p);
-    auto plan = policy.template plan<S, S>(*o.budget);
-    for (std::size_t i = 0; i < layers.size(); ++i) {
-      try {
-        plan.add(layers[i]);
-      } catch (const kvevict::invalid_argument& e) {
-        throw kvevict::invalid_argument("layer " + std::to_string(i) + ": " + e.what());
-      }
-    }
-    return plan.apply();
-  }
-  auto run = [&](auto policy_tag) {
-    using P = typename decltype(policy_tag)::type;
-    typename P::Params p;
-    fill_params(o, window, p);
-    const P policy(p);
-    for (std::size_t i = 0; i < layers.size(); ++i) {
-      try {
-        out.push_back(policy.template select<S>(layers[i], *o.budget));
-      } catch (const kvevict::invalid_argument& e) {
-        throw kvevict::invalid_argument("layer " + std::to_string(i) + ": " + e.what());
-      }
-    }
-  };
-  if (o.base == "adakv")
-    run(type_tag<kvevict::Policy<kvevict::HeadAdaptiveAllocation, Selector>>{});
-  else
-    run(type_tag<kvevict::Policy<kvevict::UniformAllocation, Selector>>{});
-  return out;
-}
-
-/// The selections of every layer for the policy the options name.
-template <class S>
-std::vector<kvevict::Selection> run_policy(const Options& o, const std::vector<kvevict::LayerInputs<S>>& layers,
+/// The runs of the policy the options name over every layer (layer-global policies see them all at once), with
+/// the window the data gives unless --window was given.
+template <class S, class KV>
+std::vector<kvevict::Selection> run_policy(const Options& o, const std::vector<kvevict::LayerInputs<KV>>& layers,
                                            Index window) {
-  if (o.base == "streamingllm") {
-    kvevict::StreamingLLM::Params p;
-    p.sinks = o.sinks;
-    const kvevict::StreamingLLM policy(p);
-    std::vector<kvevict::Selection> out;
-    for (const auto& in : layers) out.push_back(policy.select(in, *o.budget));
-    return out;
-  }
-  if (o.selector == "critical") return run_selector<S, kvevict::CriticalSelector>(o, layers, window);
-  if (o.selector == "defensive") return run_selector<S, kvevict::DefensiveSelector>(o, layers, window);
-  return run_selector<S, kvevict::AttentionSelector>(o, layers, window);
+  kvevict::Knobs knobs = o.knobs;
+  knobs.window = window;
+  std::vector<kvevict::Selection> out;
+  visit_policy(o, [&](const auto& entry) { out = kvevict::select_layers<S>(entry.make(knobs), layers, *o.budget); });
+  return out;
 }
 
 }  // namespace kvevict::tools

@@ -16,7 +16,7 @@
 
 namespace kvevict::tools {
 
-namespace st = kvevict::safetensors;
+namespace st = ::safetensors;
 
 /// Bad input data (as opposed to usage_error: a bad command line).
 struct input_error : std::runtime_error {
@@ -97,7 +97,12 @@ LayerTensors<S> load_layer(const Options& opt, const st::file& in, Index layer, 
   }
   if (t.queries && t.attention)
     throw input_error("layer " + std::to_string(layer) + " has both 'q_window' and 'window_attention'; expected exactly one");
-  const bool needs_observation = opt.base != "streamingllm";
+  bool needs_observation = true, value_aware = false;
+  visit_policy(opt, [&](const auto& entry) {
+    const auto policy = entry.make(opt.knobs);
+    needs_observation = policy.reads_observation();
+    value_aware = policy.reads_values();
+  });
   if (!t.queries && !t.attention && needs_observation)
     throw input_error("missing tensor '" + prefix + "q_window' [heads, window, head_dim] (or '" + prefix +
                       "window_attention' [heads, window, tokens])");
@@ -109,7 +114,6 @@ LayerTensors<S> load_layer(const Options& opt, const st::file& in, Index layer, 
     if (*window != obs->shape[1])
       throw input_error("--window " + std::to_string(*window) + " does not match the " + std::to_string(obs->shape[1]) +
                         " window rows of '" + prefix + (t.queries ? "q_window'" : "window_attention'"));
-    const bool value_aware = opt.selector == "critical" || (opt.selector == "defensive" && !opt.aggregation_only);
     if (value_aware) {
       if (!t.values) throw input_error("missing tensor '" + prefix + "values' [kv_heads, tokens, head_dim]; the " + opt.policy + " policy needs it");
       if (!t.w_o) throw input_error("missing tensor '" + prefix + "w_o' [hidden, heads * head_dim]; the " + opt.policy + " policy needs it");
@@ -128,7 +132,7 @@ LayerTensors<S> load_layer(const Options& opt, const st::file& in, Index layer, 
 template <class S>
 std::vector<kvevict::Selection> select_layers(const Options& opt, const st::file& in) {
   const Index n_layers = count_layers(in);
-  std::optional<Index> window = opt.window;
+  std::optional<Index> window = opt.knobs.window;
   std::vector<LayerTensors<S>> layers;
   layers.reserve(static_cast<std::size_t>(n_layers));  // the views point into these buffers: no reallocation
   std::vector<kvevict::LayerInputs<S>> inputs;

@@ -13,7 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "safetensors.hpp"  // tools/safetensors.hpp (kvevict::safetensors)
+#include "safetensors.hpp"  // tools/safetensors.hpp (namespace safetensors)
 
 namespace tinycode {
 
@@ -96,12 +96,12 @@ struct Model {
   std::vector<LayerWeights> layers;
 
   /// Loads `dir`/config.json and `dir`/model.safetensors. Throws std::runtime_error (or
-  /// kvevict::safetensors::error) on a missing file, a missing tensor or a shape mismatch.
+  /// safetensors::error) on a missing file, a missing tensor or a shape mismatch.
   static Model load(const std::filesystem::path& dir) {
     Model m;
     m.config = Config::load(dir / "config.json");
     const Config& c = m.config;
-    const auto st = kvevict::safetensors::file::open((dir / "model.safetensors").string());
+    const auto st = safetensors::file::open((dir / "model.safetensors").string());
     const Index qd = c.n_head * c.head_dim, kvd = c.n_kv_head * c.head_dim;
     m.embed = matrix(st, "embed.weight", c.vocab, c.d_model);
     m.final_norm = vector(st, "final_norm.weight", c.d_model);
@@ -123,7 +123,7 @@ struct Model {
   }
 
  private:
-  static std::vector<float> read(const kvevict::safetensors::file& st, const std::string& name,
+  static std::vector<float> read(const safetensors::file& st, const std::string& name,
                                  const std::vector<std::int64_t>& shape) {
     const auto& info = st.at(name);
     if (info.shape != shape) {
@@ -135,11 +135,11 @@ struct Model {
     }
     return st.read_floats<float>(info);
   }
-  static Matrix matrix(const kvevict::safetensors::file& st, const std::string& name, Index rows, Index cols) {
+  static Matrix matrix(const safetensors::file& st, const std::string& name, Index rows, Index cols) {
     const std::vector<float> v = read(st, name, {rows, cols});
     return Eigen::Map<const Matrix>(v.data(), rows, cols);
   }
-  static RowVector vector(const kvevict::safetensors::file& st, const std::string& name, Index n) {
+  static RowVector vector(const safetensors::file& st, const std::string& name, Index n) {
     const std::vector<float> v = read(st, name, {n});
     return Eigen::Map<const RowVector>(v.data(), n);
   }

@@ -4,16 +4,19 @@
 //   3. chunked decoding (extend of n tokens) == n single decoding steps, on a compressed cache; compaction keeps
 //      original positions and rows; window queries do not depend on the chunking
 //   4. SnapKV, AdaKV and StreamingLLM on doc 0 at keep 10%: exact budgets, finite loss, views are zero-copy
-// Usage: kvevict_engine_tests [MODEL_DIR]   (default: the vendored models/tinycode)
+// The model directory is the vendored models/tinycode unless the environment variable KVEVICT_TINYCODE_DIR names
+// another one.
 
+#include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <exception>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
 #include "engine.hpp"
@@ -21,143 +24,162 @@
 
 namespace {
 
-int failures = 0;
-
-void check(bool ok, const std::string& what) {
-  std::printf("%s %s\n", ok ? "[ok]  " : "[FAIL]", what.c_str());
-  if (!ok) ++failures;
+std::filesystem::path model_dir() {
+  const char* env = std::getenv("KVEVICT_TINYCODE_DIR");
+  return env != nullptr && *env != '\0' ? std::filesystem::path(env)
+                                        : std::filesystem::path(KVEVICT_SOURCE_DIR "/models/tinycode");
 }
 
-std::string fmt(const char* f, double a, double b = 0) {
-  char buf[256];
-  std::snprintf(buf, sizeof buf, f, a, b);
-  return buf;
+// Loaded on first use, so that listing the tests (catch_discover_tests) does not load the model.
+const tinycode::Model& model() {
+  static const tinycode::Model m = tinycode::Model::load(model_dir());
+  return m;
+}
+
+// Doc 0: its bytes, its reference full-cache losses, the continuation task and the engine after prefilling the
+// context. Built on first use, once per process.
+struct Doc0 {
+  tinycode::eval::Tokens doc;
+  double ref_all = 0, ref_after = 0;
+  tinycode::eval::ContinuationTask task;
+  tinycode::Engine prefilled;
+  tinycode::Matrix context_logits;
+
+  Doc0(tinycode::eval::Tokens bytes, const nlohmann::json& nll)
+      : doc(std::move(bytes)),
+        ref_all(nll["docs"][0]["all"].get<double>()),
+        ref_after(nll["docs"][0]["after_prefix"].get<double>()),
+        task(doc),
+        prefilled(model()),
+        context_logits(prefilled.extend(task.context)) {}
+};
+
+const Doc0& doc0() {
+  static const Doc0 d = [] {
+    const auto docs = tinycode::eval::load_docs(model_dir() / "eval" / "docs.bin");
+    nlohmann::json nll;
+    std::ifstream(model_dir() / "eval" / "full_cache_nll.json") >> nll;
+    return Doc0(docs.at(0), nll);
+  }();
+  return d;
 }
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  try {
-    const std::filesystem::path dir = argc > 1 ? argv[1] : KVEVICT_SOURCE_DIR "/models/tinycode";
-    const tinycode::Model model = tinycode::Model::load(dir);
+TEST_CASE("forward pass matches the reference logits", "[engine]") {
+  const auto st = safetensors::file::open((model_dir() / "reference_logits.safetensors").string());
+  const std::vector<float> tok = st.read_floats<float>(st.at("tokens"));
+  const std::vector<float> ref = st.read_floats<float>(st.at("logits"));
+  std::vector<tinycode::Token> tokens(tok.begin(), tok.end());
+  tinycode::Engine engine(model());
+  const tinycode::Matrix logits = engine.extend(tokens);
+  REQUIRE(ref.size() == static_cast<std::size_t>(logits.size()));
+  const Eigen::Map<const tinycode::Matrix> expected(ref.data(), logits.rows(), logits.cols());
+  const double err = static_cast<double>((logits - expected).cwiseAbs().maxCoeff());
+  INFO("max |logit - reference| over " << logits.rows() << " x " << logits.cols() << " logits");
+  CHECK(err <= 1e-3);
+}
 
-    // 1. Reference logits.
-    {
-      const auto st = kvevict::safetensors::file::open((dir / "reference_logits.safetensors").string());
-      const std::vector<float> tok = st.read_floats<float>(st.at("tokens"));
-      const std::vector<float> ref = st.read_floats<float>(st.at("logits"));
-      std::vector<tinycode::Token> tokens(tok.begin(), tok.end());
-      tinycode::Engine engine(model);
-      const tinycode::Matrix logits = engine.extend(tokens);
-      const Eigen::Map<const tinycode::Matrix> expected(ref.data(), logits.rows(), logits.cols());
-      const double err = static_cast<double>((logits - expected).cwiseAbs().maxCoeff());
-      check(ref.size() == static_cast<std::size_t>(logits.size()) && err <= 1e-3,
-            fmt("forward pass: max |logit - reference| = %.3g over 256 x 256 logits (<= 1e-3)", err));
+TEST_CASE("doc 0 with the full cache matches the reference losses", "[engine]") {
+  const Doc0& d = doc0();
+  tinycode::Engine engine = d.prefilled;
+  const tinycode::Matrix cont_logits = engine.extend(d.task.continuation_inputs());
+  double sum = 0;
+  for (tinycode::Index i = 0; i + 1 < d.context_logits.rows(); ++i)  // bytes 1..1535; 1536.. are in `after`
+    sum += tinycode::eval::nll(d.context_logits.row(i), d.doc[static_cast<std::size_t>(i) + 1]);
+  const double after = d.task.loss(d.context_logits, cont_logits);
+  const double all = (sum + after * static_cast<double>(d.task.continuation.size())) /
+                     static_cast<double>(d.context_logits.rows() + cont_logits.rows());
+  CHECK(all == Approx(d.ref_all).margin(1e-3).epsilon(0.0));
+  CHECK(after == Approx(d.ref_after).margin(1e-3).epsilon(0.0));
+}
+
+TEST_CASE("chunked decoding equals single steps on a compressed cache", "[engine]") {
+  const Doc0& d = doc0();
+  // Chunked decoding == single steps, on a compressed cache (AdaKV: heads of different lengths).
+  {
+    tinycode::Engine chunked = d.prefilled;
+    chunked.compress(kvevict::AdaKV{}, kvevict::Budget::keep_ratio(0.1));
+    tinycode::Engine stepped = chunked;
+    const std::vector<tinycode::Token> next(d.task.continuation.begin(), d.task.continuation.begin() + 16);
+    const tinycode::Matrix a = chunked.extend(next);
+    double err = 0;
+    for (std::size_t i = 0; i < next.size(); ++i) {
+      const tinycode::RowVector b = stepped.decode(next[i]);
+      err = std::max(err, static_cast<double>((a.row(static_cast<tinycode::Index>(i)) - b).cwiseAbs().maxCoeff()));
+    }
+    INFO("16 single decoding steps vs one chunk of 16 on an AdaKV cache: max diff");
+    CHECK(err <= 1e-4);
+
+    // The compressed cache keeps original positions, ascending, new tokens appended.
+    for (tinycode::Index h = 0; h < 2; ++h) {
+      CAPTURE(h);
+      const auto& c = stepped.cache();
+      const tinycode::Index len = c.length(0, h);
+      CHECK(c.position(0, h, len - 1) == 1536 + 15);
+      CHECK(c.position(0, h, len - 17) < 1536);
+      bool ascending = true;
+      for (tinycode::Index r = 1; r < len; ++r) ascending = ascending && c.position(0, h, r - 1) < c.position(0, h, r);
+      CHECK(ascending);
     }
 
-    // 2. Full-cache losses of doc 0.
-    const auto docs = tinycode::eval::load_docs(dir / "eval" / "docs.bin");
-    nlohmann::json nll;
-    std::ifstream(dir / "eval" / "full_cache_nll.json") >> nll;
-    const double ref_all = nll["docs"][0]["all"].get<double>();
-    const double ref_after = nll["docs"][0]["after_prefix"].get<double>();
-    const tinycode::eval::ContinuationTask task(docs[0]);
-    tinycode::Engine prefilled(model);
-    const tinycode::Matrix context_logits = prefilled.extend(task.context);
-    {
-      tinycode::Engine engine = prefilled;
-      const tinycode::Matrix cont_logits = engine.extend(task.continuation_inputs());
-      double sum = 0;
-      for (tinycode::Index i = 0; i + 1 < context_logits.rows(); ++i)  // bytes 1..1535; 1536.. are in `after`
-        sum += tinycode::eval::nll(context_logits.row(i), docs[0][static_cast<std::size_t>(i) + 1]);
-      const double after = task.loss(context_logits, cont_logits);
-      const double all = (sum + after * static_cast<double>(task.continuation.size())) /
-                         static_cast<double>(context_logits.rows() + cont_logits.rows());
-      check(std::abs(all - ref_all) <= 1e-3, fmt("doc 0 full cache, all: %.6f vs %.6f (<= 1e-3)", all, ref_all));
-      check(std::abs(after - ref_after) <= 1e-3,
-            fmt("doc 0 full cache, after_prefix: %.6f vs %.6f (<= 1e-3)", after, ref_after));
-    }
-
-    // 3. Chunked decoding == single steps, on a compressed cache (AdaKV: heads of different lengths).
-    {
-      tinycode::Engine chunked = prefilled;
-      chunked.compress(kvevict::AdaKV{}, kvevict::Budget::keep_ratio(0.1));
-      tinycode::Engine stepped = chunked;
-      const std::vector<tinycode::Token> next(task.continuation.begin(), task.continuation.begin() + 16);
-      const tinycode::Matrix a = chunked.extend(next);
-      double err = 0;
-      for (std::size_t i = 0; i < next.size(); ++i) {
-        const tinycode::RowVector b = stepped.decode(next[i]);
-        err = std::max(err, static_cast<double>((a.row(static_cast<tinycode::Index>(i)) - b).cwiseAbs().maxCoeff()));
-      }
-      check(err <= 1e-4, fmt("16 single decoding steps == one chunk of 16 on an AdaKV cache: max diff %.3g", err));
-      bool positions_ok = true;
-      for (tinycode::Index h = 0; h < 2; ++h) {
-        const auto& c = stepped.cache();
-        const tinycode::Index len = c.length(0, h);
-        positions_ok = positions_ok && c.position(0, h, len - 1) == 1536 + 15 && c.position(0, h, len - 17) < 1536;
-        for (tinycode::Index r = 1; r < len; ++r)
-          positions_ok = positions_ok && c.position(0, h, r - 1) < c.position(0, h, r);
-      }
-      check(positions_ok, "compressed cache keeps original positions, ascending, new tokens appended");
-
-      bool rows_ok = true;  // every kept row is the prefill's row at its original position
-      const auto& c = chunked.cache();
-      for (tinycode::Index l = 0; l < 10; ++l)
-        for (tinycode::Index h = 0; h < 2; ++h)
-          for (tinycode::Index r = 0; r < c.length(l, h) - 16; ++r) {
-            const auto p = static_cast<tinycode::Index>(c.position(l, h, r));
-            rows_ok = rows_ok && c.keys(l, h).row(r) == prefilled.cache().keys(l, h).row(p) &&
-                      c.values(l, h).row(r) == prefilled.cache().values(l, h).row(p);
-          }
-      check(rows_ok, "compaction gathers exactly the rows at the kept positions (keys and values)");
-    }
-
-    // The window queries do not depend on how the context was chunked (prefill + single steps here).
-    {
-      tinycode::Engine split(model);
-      split.extend(task.context.data(), 1520);
-      for (std::size_t i = 1520; i < task.context.size(); ++i) split.decode(task.context[i]);
-      double err = 0;
-      for (tinycode::Index l = 0; l < 10; ++l) {
-        const auto a = split.eviction_inputs(l).queries, b = prefilled.eviction_inputs(l).queries;
-        for (tinycode::Index q = 0; q < 8; ++q)
-          err = std::max(err, static_cast<double>((a.head(q) - b.head(q)).cwiseAbs().maxCoeff()));
-      }
-      check(err <= 1e-4, fmt("window queries after prefill(1520) + 16 decode steps == after one prefill: %.3g", err));
-    }
-
-    // 4. Policies on doc 0 at keep 10%.
-    {
-      const tinycode::Index n_kept = 153;  // floor(0.1 * 1536)
-      const kvevict::Budget budget = kvevict::Budget::keep_ratio(0.1);
-      const auto in = prefilled.eviction_inputs(0);
-      check(in.keys.data() == prefilled.cache().keys(0, 0).data() &&
-                in.values.data() == prefilled.cache().values(0, 0).data() && in.keys.rows() == 1536 &&
-                in.queries.heads() == 8 && in.queries.rows() == 32,
-            "eviction inputs: keys/values view the cache storage (no copy), queries [8, 32, 32]");
-      const auto run = [&](const char* name, auto policy, bool uniform) {
-        tinycode::Engine engine = prefilled;
-        const tinycode::EvictionStats stats = engine.compress(policy, budget);
-        bool budget_ok = true;
-        for (tinycode::Index l = 0; l < 10; ++l) {
-          const tinycode::Index sum =
-              stats.kept[static_cast<std::size_t>(2 * l)] + stats.kept[static_cast<std::size_t>(2 * l + 1)];
-          budget_ok =
-              budget_ok && sum == 2 * n_kept && (!uniform || stats.kept[static_cast<std::size_t>(2 * l)] == n_kept);
+    // Compaction gathers exactly the rows at the kept positions (keys and values).
+    bool rows_ok = true;
+    const auto& c = chunked.cache();
+    for (tinycode::Index l = 0; l < 10; ++l)
+      for (tinycode::Index h = 0; h < 2; ++h)
+        for (tinycode::Index r = 0; r < c.length(l, h) - 16; ++r) {
+          const auto p = static_cast<tinycode::Index>(c.position(l, h, r));
+          rows_ok = rows_ok && c.keys(l, h).row(r) == d.prefilled.cache().keys(l, h).row(p) &&
+                    c.values(l, h).row(r) == d.prefilled.cache().values(l, h).row(p);
         }
-        const double loss = task.loss(context_logits, engine.extend(task.continuation_inputs()));
-        check(budget_ok && std::isfinite(loss) && loss > ref_after - 0.05,
-              std::string(name) + fmt(" keep 10%%: loss %.4f (full %.4f), kept per layer = 2 x 153", loss, ref_after));
-      };
-      run("snapkv", kvevict::SnapKV{}, true);
-      run("adakv", kvevict::AdaKV{}, false);
-      run("streamingllm", kvevict::StreamingLLM{}, true);
-    }
-  } catch (const std::exception& e) {
-    std::printf("[FAIL] exception: %s\n", e.what());
-    return 1;
+    CHECK(rows_ok);
   }
-  std::printf("%s\n", failures ? "FAILED" : "all engine tests passed");
-  return failures ? 1 : 0;
+
+  // The window queries do not depend on how the context was chunked (prefill + single steps here).
+  {
+    tinycode::Engine split(model());
+    split.extend(d.task.context.data(), 1520);
+    for (std::size_t i = 1520; i < d.task.context.size(); ++i) split.decode(d.task.context[i]);
+    double err = 0;
+    for (tinycode::Index l = 0; l < 10; ++l) {
+      const auto a = split.eviction_inputs(l).queries, b = d.prefilled.eviction_inputs(l).queries;
+      for (tinycode::Index q = 0; q < 8; ++q)
+        err = std::max(err, static_cast<double>((a.head(q) - b.head(q)).cwiseAbs().maxCoeff()));
+    }
+    INFO("window queries after prefill(1520) + 16 decode steps vs after one prefill: max diff");
+    CHECK(err <= 1e-4);
+  }
+}
+
+TEST_CASE("eviction policies on doc 0 at keep 10%", "[engine]") {
+  const Doc0& d = doc0();
+  const tinycode::Index n_kept = 153;  // floor(0.1 * 1536)
+  const kvevict::Budget budget = kvevict::Budget::keep_ratio(0.1);
+  SECTION("eviction inputs: keys and values view the cache storage (no copy), queries [8, 32, 32]") {
+    const auto in = d.prefilled.eviction_inputs(0);
+    CHECK(in.keys.data() == d.prefilled.cache().keys(0, 0).data());
+    CHECK(in.values.data() == d.prefilled.cache().values(0, 0).data());
+    CHECK(in.keys.rows() == 1536);
+    CHECK(in.queries.heads() == 8);
+    CHECK(in.queries.rows() == 32);
+  }
+  const auto run = [&](auto policy, bool uniform) {
+    tinycode::Engine engine = d.prefilled;
+    const tinycode::EvictionStats stats = engine.compress(policy, budget);
+    for (tinycode::Index l = 0; l < 10; ++l) {
+      CAPTURE(l);
+      const tinycode::Index k0 = stats.kept[static_cast<std::size_t>(2 * l)];
+      const tinycode::Index k1 = stats.kept[static_cast<std::size_t>(2 * l + 1)];
+      CHECK(k0 + k1 == 2 * n_kept);  // kept per layer = 2 x 153
+      if (uniform) CHECK(k0 == n_kept);
+    }
+    const double loss = d.task.loss(d.context_logits, engine.extend(d.task.continuation_inputs()));
+    INFO("full-cache loss " << d.ref_after);
+    CHECK(std::isfinite(loss));
+    CHECK(loss > d.ref_after - 0.05);
+  };
+  SECTION("snapkv") { run(kvevict::SnapKV{}, true); }
+  SECTION("adakv") { run(kvevict::AdaKV{}, false); }
+  SECTION("streamingllm") { run(kvevict::StreamingLLM{}, true); }
 }

@@ -1,7 +1,7 @@
 // Fuzz target: the safetensors reader of tools/ (what kvevict-select reads files with).
 //
 // Property: any byte string either parses into a file whose every tensor can be read back (within the data
-// section, element count equal to the shape's product), or is refused with kvevict::safetensors::error. Any other
+// section, element count equal to the shape's product), or is refused with safetensors::error. Any other
 // exception, crash, sanitizer report or hang is a finding.
 
 #include <cstddef>
@@ -11,7 +11,7 @@
 
 #include "safetensors.hpp"
 
-namespace st = kvevict::safetensors;
+namespace st = safetensors;
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   std::vector<unsigned char> bytes(data, data + size);

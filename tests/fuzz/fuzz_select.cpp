@@ -20,7 +20,7 @@
 #include "select_options.hpp"
 #include "select_run.hpp"
 
-namespace st = kvevict::safetensors;
+namespace st = safetensors;
 namespace tools = kvevict::tools;
 
 namespace {

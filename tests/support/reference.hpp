@@ -631,7 +631,8 @@ inline std::vector<double> defensive_value_scores(const std::vector<double>& m, 
 
 // ---------------------------------------------------------------------------------------------
 // DefensiveKV, one layer. sprime [Hkv][P]; forced per KV head (mass_forced), or empty for no mass forcing.
-//   x = sprime padded to [Hkv][L]; forced prefix entries and the window -> layer max of sprime;
+//   x = sprime padded to [Hkv][L]; forced prefix entries and the window -> DBL_MAX (corrected: kept strictly
+//   first, a prefix entry tied with the layer max never displaces them) or the layer max of sprime (quirks);
 //   if alpha > 0: per head top int(n_kept * alpha) entries of x -> DBL_MAX (AdaKV safeguard);
 //   one flat top-k over [Hkv * L] of total = Hkv * n_kept (corrected) or int(L * (1 - cr) * Hkv) (quirks,
 //   evaluated left to right in double, truncated). Ties per 2.7.
@@ -643,10 +644,15 @@ inline Kept defensivekv(const std::vector<double>& sprime, const std::vector<std
     detail::check_forced(forced, Hkv, P);
     assert(alpha >= 0.0 && alpha <= 1.0);
     assert(cr >= 0.0 && cr <= 1.0);
-    const double layer_max = *std::max_element(sprime.begin(), sprime.end());
+    // Corrected: DBL_MAX, above every score and equal to the safeguard's value (forced, window and safeguard
+    // entries all fit in the total, except when n_kept < w, where the window's most recent entries win either way).
+    const double top = quirks ? *std::max_element(sprime.begin(), sprime.end())
+                              : std::numeric_limits<double>::max();
     std::vector<double> x = detail::pad_window_with_layer_max(sprime, Hkv, w, L);
+    for (int h = 0; h < Hkv; ++h)
+        for (int j = P; j < L; ++j) x[sz(h) * sz(L) + sz(j)] = top;
     for (std::size_t h = 0; h < forced.size(); ++h)
-        for (std::int64_t j : forced[h]) x[h * sz(L) + sz(j)] = layer_max;
+        for (std::int64_t j : forced[h]) x[h * sz(L) + sz(j)] = top;
     if (alpha > 0.0) {
         std::vector<bool> safe(sz(Hkv) * sz(L), false);
         detail::apply_safeguard(x, safe, Hkv, L, detail::py_int(static_cast<double>(n_kept) * alpha));

@@ -2,8 +2,9 @@
 // values and W_o, their storage as LayerInputs, and the expected selections composed from tests/support/reference.hpp.
 //
 // The expectations are the reference's functions, called the way the reference code calls them: single-layer
-// DefensiveKV gives the mass-forced tokens and the window the layer maximum of s' in both modes (ALGORITHMS.md 2.6
-// as written), so a more recent scored token that ties that maximum can displace a forced one.
+// DefensiveKV keeps the mass-forced tokens and the window strictly first in the corrected mode, and gives them the
+// layer maximum of s' under reference_quirks, where a more recent scored token that ties that maximum can displace a
+// forced one (docs/algorithms.md section 2.6).
 #ifndef KVEVICT_TESTS_SUPPORT_SELECTOR_INPUTS_HPP
 #define KVEVICT_TESTS_SUPPORT_SELECTOR_INPUTS_HPP
 
@@ -155,26 +156,28 @@ inline std::string describe(const SelKnobs& k) {
   return o.str();
 }
 
-/// Copies the knobs into a policy's flat Params (the fields it has).
+/// The knobs as the library's kvevict::Knobs (every one set), for the window of shape s.
+inline kvevict::Knobs to_knobs(const Shape& s, const SelKnobs& k) {
+  kvevict::Knobs out;
+  out.window = s.w;
+  out.kernel = k.kernel;
+  out.pooling = k.pooling;
+  out.reference_quirks = k.quirks;
+  out.alpha = k.alpha;
+  out.eps = k.eps;
+  out.first_stage_ratio = k.ratio;
+  out.value_norm = k.norm;
+  out.mass_threshold = k.threshold;
+  out.value_term = k.value_term;
+  out.mass_forcing = k.mass_forcing;
+  out.floor = k.floor;
+  return out;
+}
+
+/// Copies the knobs into a policy's flat Params (the fields it has), through the catalogue's kvevict::apply_knobs.
 template <class Params>
 void apply_knobs(const Shape& s, const SelKnobs& k, Params& p) {
-  p.window = s.w;
-  p.kernel = k.kernel;
-  p.pooling = k.pooling;
-  p.reference_quirks = k.quirks;
-  if constexpr (std::is_base_of_v<kvevict::HeadAdaptiveAllocation::Params, Params>) p.alpha = k.alpha;
-  if constexpr (std::is_base_of_v<kvevict::CriticalSelector::Params, Params>) {
-    p.eps = k.eps;
-    p.first_stage_ratio = k.ratio;
-    p.value_norm = k.norm;
-  }
-  if constexpr (std::is_base_of_v<kvevict::DefensiveSelector::Params, Params>) {
-    p.mass_threshold = k.threshold;
-    p.value_norm = k.norm;
-    p.value_term = k.value_term;
-    p.mass_forcing = k.mass_forcing;
-    p.floor = k.floor;
-  }
+  kvevict::apply_knobs(to_knobs(s, k), p);
 }
 
 template <class P>

@@ -1,74 +1,55 @@
-// Self-check for tools/safetensors.hpp: round trips for every dtype, exact half/bfloat16 conversions, every
-// malformed-input case, and a mutation fuzz that must only ever produce safetensors::error.
-// Build (from the repository root):
-//   g++ -std=c++17 -Wall -Wextra -Wpedantic -Wconversion -Wshadow -Werror -fsanitize=address,undefined -g
-//       -I. tests/tools/safetensors_selfcheck.cpp -o safetensors_selfcheck && ./safetensors_selfcheck
+// The safetensors reader/writer of tools/ (tools/safetensors/): round trips for every dtype, exact half/bfloat16
+// conversions, every malformed-input case, and a mutation fuzz that must only ever produce safetensors::error.
 
-#include "tools/safetensors.hpp"
+#include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <initializer_list>
 #include <limits>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
-namespace st = kvevict::safetensors;
+#include "tools/safetensors/convert.hpp"
+#include "tools/safetensors/dtype.hpp"
+#include "tools/safetensors/reader.hpp"
+#include "tools/safetensors/writer.hpp"
+
+namespace st = safetensors;
 
 namespace {
 
-int g_checks = 0;
-int g_failures = 0;
-
-#define CHECK(...)                                                                         \
-  do {                                                                                     \
-    ++g_checks;                                                                            \
-    if (!(__VA_ARGS__)) {                                                                  \
-      ++g_failures;                                                                        \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #__VA_ARGS__); \
-    }                                                                                      \
-  } while (0)
-
-#define FAIL(msg)                                                         \
-  do {                                                                    \
-    ++g_checks;                                                           \
-    ++g_failures;                                                         \
-    std::fprintf(stderr, "%s:%d: FAILED: %s\n", __FILE__, __LINE__, msg); \
-  } while (0)
-
-// Runs `f`, which must throw st::error whose one-line message contains every substring in `needles`.
+// Runs `f`, which must throw st::error whose one-line message contains every substring in `needles`. Returns what
+// went wrong, or "" when it did just that.
 template <class F>
-void expect_error_impl(const char* file, int line, const char* expr, F&& f,
-                       std::initializer_list<const char*> needles) {
-  ++g_checks;
+std::string error_problem(F&& f, std::initializer_list<const char*> needles) {
   try {
     f();
   } catch (const st::error& e) {
     const std::string msg = e.what();
-    bool ok = msg.find('\n') == std::string::npos && msg.find('\r') == std::string::npos;
-    for (const char* needle : needles) ok = ok && msg.find(needle) != std::string::npos;
-    if (!ok) {
-      ++g_failures;
-      std::fprintf(stderr, "%s:%d: %s: message lacks expected text:\n  %s\n  wanted:", file, line, expr, msg.c_str());
-      for (const char* needle : needles) std::fprintf(stderr, " [%s]", needle);
-      std::fprintf(stderr, "\n");
-    }
-    return;
+    if (msg.find('\n') != std::string::npos || msg.find('\r') != std::string::npos)
+      return "message spans lines: " + msg;
+    for (const char* needle : needles)
+      if (msg.find(needle) == std::string::npos) return "message lacks [" + std::string(needle) + "]: " + msg;
+    return "";
   } catch (const std::exception& e) {
-    ++g_failures;
-    std::fprintf(stderr, "%s:%d: %s: threw a non-safetensors exception: %s\n", file, line, expr, e.what());
-    return;
+    return std::string("threw a non-safetensors exception: ") + e.what();
   }
-  ++g_failures;
-  std::fprintf(stderr, "%s:%d: %s: did not throw\n", file, line, expr);
+  return "did not throw";
 }
 
-#define EXPECT_ERROR(expr, ...) \
-  expect_error_impl(            \
-      __FILE__, __LINE__, #expr, [&] { (void)(expr); }, __VA_ARGS__)
+#define EXPECT_ERROR(expr, ...)                                                                 \
+  do {                                                                                          \
+    const std::string expect_error_problem = error_problem([&] { (void)(expr); }, __VA_ARGS__); \
+    INFO(#expr);                                                                                \
+    CHECK(expect_error_problem == "");                                                          \
+  } while (0)
 
 std::vector<unsigned char> with_length(std::uint64_t n, const std::string& header, std::size_t data_len) {
   std::vector<unsigned char> out;
@@ -83,12 +64,23 @@ std::vector<unsigned char> make_file(const std::string& header, std::size_t data
 }
 
 const char* const kSrc = "case.safetensors";
+const std::string ok_entry = R"({"dtype":"F32","shape":[2],"data_offsets":[0,8]})";
 
 st::file parse_header(const std::string& header, std::size_t data_len) {
   return st::file::parse(make_file(header, data_len), kSrc);
 }
 
-std::uint32_t bits_of(float f) { return st::detail::float_bits(f); }
+std::uint32_t bits_of(float f) {
+  std::uint32_t bits = 0;
+  std::memcpy(&bits, &f, sizeof bits);
+  return bits;
+}
+
+std::string hex(unsigned v) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "0x%04x", v);
+  return buf;
+}
 
 bool same_double(double a, double b) {
   if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && std::isnan(b);
@@ -123,7 +115,11 @@ double half_reference(std::uint16_t h) {
   return (h & 0x8000) ? -mag : mag;
 }
 
-void check_half_conversions() {
+}  // namespace
+
+// ---- F16 / BF16 conversions ----
+
+TEST_CASE("F16 decode and encode of known bit patterns", "[safetensors]") {
   using st::detail::double_to_half_bits;
   using st::detail::half_bits_to_float;
   // decode known patterns
@@ -170,13 +166,21 @@ void check_half_conversions() {
   CHECK(double_to_half_bits(std::numeric_limits<double>::denorm_min()) == 0x0000);
   CHECK(double_to_half_bits(-std::numeric_limits<double>::denorm_min()) == 0x8000);
   CHECK(double_to_half_bits(std::numeric_limits<double>::max()) == 0x7C00);
+  // double rounding trap: just above a half tie as a double, exactly on it once rounded to float
+  CHECK(double_to_half_bits(1.0 + std::ldexp(1.0, -11) + std::ldexp(1.0, -40)) == 0x3C01);
+}
+
+TEST_CASE("F16 every pattern: exact decode, round trip, midpoints round to even", "[safetensors]") {
+  using st::detail::double_to_half_bits;
+  using st::detail::half_bits_to_float;
   // exhaustive: decode matches an independent reference, and decode->encode is the identity (NaNs stay NaNs)
+  bool all_ok = true;
   for (std::uint32_t h = 0; h <= 0xFFFFu; ++h) {
     const auto h16 = static_cast<std::uint16_t>(h);
     const float f = half_bits_to_float(h16);
     if (!same_double(static_cast<double>(f), half_reference(h16))) {
-      FAIL("half decode differs from reference");
-      std::fprintf(stderr, "  pattern 0x%04x\n", static_cast<unsigned>(h));
+      FAIL_CHECK("half decode differs from reference: pattern " << hex(h));
+      all_ok = false;
       break;
     }
     const std::uint16_t back = double_to_half_bits(static_cast<double>(f));
@@ -184,8 +188,8 @@ void check_half_conversions() {
     const bool ok = is_nan ? ((back & 0x7C00u) == 0x7C00u && (back & 0x3FFu) != 0 && (back & 0x8000u) == (h & 0x8000u))
                            : back == h16;
     if (!ok) {
-      FAIL("half round trip failed");
-      std::fprintf(stderr, "  pattern 0x%04x -> 0x%04x\n", static_cast<unsigned>(h), static_cast<unsigned>(back));
+      FAIL_CHECK("half round trip failed: pattern " << hex(h) << " -> " << hex(back));
+      all_ok = false;
       break;
     }
     // midpoint to the next pattern (same sign, finite, below max): rounds to the even of the two
@@ -194,15 +198,16 @@ void check_half_conversions() {
       const double mid = (static_cast<double>(f) + next) / 2;
       const std::uint16_t even = (h & 1u) ? static_cast<std::uint16_t>(h + 1) : h16;
       if (double_to_half_bits(mid) != even) {
-        FAIL("half midpoint does not round to even");
-        std::fprintf(stderr, "  pattern 0x%04x\n", static_cast<unsigned>(h));
+        FAIL_CHECK("half midpoint does not round to even: pattern " << hex(h));
+        all_ok = false;
         break;
       }
     }
   }
+  CHECK(all_ok);
 }
 
-void check_bf16_conversions() {
+TEST_CASE("BF16 decode and encode of known bit patterns", "[safetensors]") {
   using st::detail::bf16_bits_to_float;
   using st::detail::double_to_bf16_bits;
   CHECK(bf16_bits_to_float(0x3F80) == 1.0f);
@@ -231,6 +236,12 @@ void check_bf16_conversions() {
   CHECK(double_to_bf16_bits(-0.0) == 0x8000);
   // double rounding trap: x rounds to a bf16 tie when first rounded to float, but is above it in double
   CHECK(double_to_bf16_bits(1.0 + std::ldexp(1.0, -8) + std::ldexp(1.0, -40)) == 0x3F81);
+}
+
+TEST_CASE("BF16 every pattern round trips", "[safetensors]") {
+  using st::detail::bf16_bits_to_float;
+  using st::detail::double_to_bf16_bits;
+  bool all_ok = true;
   for (std::uint32_t b = 0; b <= 0xFFFFu; ++b) {
     const auto b16 = static_cast<std::uint16_t>(b);
     const float f = bf16_bits_to_float(b16);
@@ -238,15 +249,16 @@ void check_bf16_conversions() {
     const bool is_nan = (b & 0x7F80u) == 0x7F80u && (b & 0x7Fu) != 0;
     const bool ok = is_nan ? std::isnan(bf16_bits_to_float(back)) : back == b16;
     if (!ok || bits_of(f) != (b << 16)) {
-      FAIL("bf16 round trip failed");
-      std::fprintf(stderr, "  pattern 0x%04x -> 0x%04x\n", static_cast<unsigned>(b), static_cast<unsigned>(back));
+      FAIL_CHECK("bf16 round trip failed: pattern " << hex(b) << " -> " << hex(back));
+      all_ok = false;
       break;
     }
   }
+  CHECK(all_ok);
 }
 
 // The generic encoder instantiated as binary32 must agree bit-for-bit with the hardware double->float conversion.
-void check_encoder_against_hardware() {
+TEST_CASE("encode_ieee<8, 23> agrees with the hardware double to float conversion", "[safetensors]") {
   rng r;
   int mismatches = 0;
   for (int i = 0; i < 2000000 && mismatches < 5; ++i) {
@@ -261,10 +273,12 @@ void check_encoder_against_hardware() {
     const std::uint32_t hw = bits_of(st::detail::narrow_to_float(d));
     if (mine != hw) {
       ++mismatches;
-      FAIL("encode_ieee<8,23> differs from hardware conversion");
-      std::fprintf(stderr, "  double %a: mine 0x%08x, hardware 0x%08x\n", d, mine, hw);
+      char buf[96];
+      std::snprintf(buf, sizeof buf, "double %a: mine 0x%08x, hardware 0x%08x", d, mine, hw);
+      FAIL_CHECK("encode_ieee<8,23> differs from hardware conversion: " << buf);
     }
   }
+  CHECK(mismatches == 0);
   CHECK(st::detail::narrow_to_float(1e300) == std::numeric_limits<float>::infinity());
   CHECK(st::detail::narrow_to_float(-1e300) == -std::numeric_limits<float>::infinity());
   CHECK(st::detail::narrow_to_float(0x1.fffffefp127) == std::numeric_limits<float>::max());
@@ -273,76 +287,96 @@ void check_encoder_against_hardware() {
   CHECK(st::detail::encode_ieee<8, 23>(0x1.ffffffp127) == 0x7F800000u);
 }
 
-void check_round_trips() {
+// ---- round trips ----
+
+namespace {
+
+// One tensor of every dtype (and a scalar, an empty tensor and an odd name), with the values they were made from.
+struct sample {
+  std::vector<double> f64_values, f32_values, f16_values, bf16_values;
+  std::vector<std::uint16_t> f16_bits, bf16_bits;
+  std::vector<std::int64_t> i64_values;
+  st::tensor_out u8, flags, i32;
+  std::vector<st::tensor_out> out;
+  std::map<std::string, std::string> meta;
+};
+
+sample make_sample() {
   const double inf = std::numeric_limits<double>::infinity();
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  const std::vector<double> f64_values = {0.0,
-                                          -0.0,
-                                          1.0,
-                                          -2.5,
-                                          1e300,
-                                          -1e-300,
-                                          std::numeric_limits<double>::denorm_min(),
-                                          inf,
-                                          -inf,
-                                          nan,
-                                          0.1,
-                                          3.141592653589793};
-  const std::vector<double> f32_values = {0.0,
-                                          -0.0,
-                                          1.0,
-                                          -2.5,
-                                          0.1,
-                                          static_cast<double>(std::numeric_limits<float>::max()),
-                                          static_cast<double>(std::numeric_limits<float>::denorm_min()),
-                                          inf,
-                                          -inf,
-                                          nan,
-                                          1e300,
-                                          1e-300};
+  sample s;
+  s.f64_values = {0.0,
+                  -0.0,
+                  1.0,
+                  -2.5,
+                  1e300,
+                  -1e-300,
+                  std::numeric_limits<double>::denorm_min(),
+                  inf,
+                  -inf,
+                  nan,
+                  0.1,
+                  3.141592653589793};
+  s.f32_values = {0.0,
+                  -0.0,
+                  1.0,
+                  -2.5,
+                  0.1,
+                  static_cast<double>(std::numeric_limits<float>::max()),
+                  static_cast<double>(std::numeric_limits<float>::denorm_min()),
+                  inf,
+                  -inf,
+                  nan,
+                  1e300,
+                  1e-300};
   // F16 / BF16 values given as the doubles of known patterns
-  const std::vector<double> f16_values = {
+  s.f16_values = {
       1.0, std::ldexp(1.0, -24), -std::ldexp(1.0, -24), std::ldexp(1023.0, -24), 65504.0, inf, -inf, nan, -0.0, 0.1};
-  const std::vector<std::uint16_t> f16_bits = {0x3C00, 0x0001, 0x8001, 0x03FF, 0x7BFF,
-                                               0x7C00, 0xFC00, 0x7E00, 0x8000, 0x2E66};
-  const std::vector<double> bf16_values = {1.0,  std::ldexp(1.0, -133), 0x1.fep127, inf, -inf, nan,
-                                           -0.0, 3.14159265358979};
-  const std::vector<std::uint16_t> bf16_bits = {0x3F80, 0x0001, 0x7F7F, 0x7F80, 0xFF80, 0x7FC0, 0x8000, 0x4049};
-  const std::vector<std::int64_t> i64_values = {
-      0, 1, -1, std::numeric_limits<std::int64_t>::min(), std::numeric_limits<std::int64_t>::max(), 42};
+  s.f16_bits = {0x3C00, 0x0001, 0x8001, 0x03FF, 0x7BFF, 0x7C00, 0xFC00, 0x7E00, 0x8000, 0x2E66};
+  s.bf16_values = {1.0, std::ldexp(1.0, -133), 0x1.fep127, inf, -inf, nan, -0.0, 3.14159265358979};
+  s.bf16_bits = {0x3F80, 0x0001, 0x7F7F, 0x7F80, 0xFF80, 0x7FC0, 0x8000, 0x4049};
+  s.i64_values = {0, 1, -1, std::numeric_limits<std::int64_t>::min(), std::numeric_limits<std::int64_t>::max(), 42};
 
-  std::vector<st::tensor_out> out;
-  out.push_back(st::make_tensor("f16", {2, 5}, f16_values, st::dtype::F16));
-  out.push_back(st::make_tensor("f64", {3, 4}, f64_values, st::dtype::F64));
-  out.push_back(st::make_tensor("bf16", {8}, bf16_values, st::dtype::BF16));
-  out.push_back(st::make_tensor("f32", {12}, f32_values, st::dtype::F32));
-  out.push_back(st::make_tensor_i64("i64", {2, 3}, i64_values));
-  st::tensor_out u8{"u8", st::dtype::U8, {3}, {0, 127, 255}};
-  out.push_back(u8);
-  st::tensor_out flags{"flags", st::dtype::BOOL, {2, 2}, {1, 0, 0, 1}};
-  out.push_back(flags);
-  st::tensor_out i32{"i32", st::dtype::I32, {3}, std::vector<unsigned char>(12)};
+  s.out.push_back(st::make_tensor("f16", {2, 5}, s.f16_values, st::dtype::F16));
+  s.out.push_back(st::make_tensor("f64", {3, 4}, s.f64_values, st::dtype::F64));
+  s.out.push_back(st::make_tensor("bf16", {8}, s.bf16_values, st::dtype::BF16));
+  s.out.push_back(st::make_tensor("f32", {12}, s.f32_values, st::dtype::F32));
+  s.out.push_back(st::make_tensor_i64("i64", {2, 3}, s.i64_values));
+  s.u8 = st::tensor_out{"u8", st::dtype::U8, {3}, {0, 127, 255}};
+  s.out.push_back(s.u8);
+  s.flags = st::tensor_out{"flags", st::dtype::BOOL, {2, 2}, {1, 0, 0, 1}};
+  s.out.push_back(s.flags);
+  s.i32 = st::tensor_out{"i32", st::dtype::I32, {3}, std::vector<unsigned char>(12)};
   const std::int32_t i32_values[3] = {-7, std::numeric_limits<std::int32_t>::min(),
                                       std::numeric_limits<std::int32_t>::max()};
-  std::memcpy(i32.bytes.data(), i32_values, sizeof i32_values);
-  out.push_back(i32);
-  out.push_back(st::make_tensor("scalar", {}, {2.0}, st::dtype::F32));
-  out.push_back(st::make_tensor("empty", {0, 3}, {}, st::dtype::F16));
-  out.push_back(st::make_tensor("odd\nname \xc3\xa9", {1}, {5.0}, st::dtype::BF16));
+  std::memcpy(s.i32.bytes.data(), i32_values, sizeof i32_values);
+  s.out.push_back(s.i32);
+  s.out.push_back(st::make_tensor("scalar", {}, {2.0}, st::dtype::F32));
+  s.out.push_back(st::make_tensor("empty", {0, 3}, {}, st::dtype::F16));
+  s.out.push_back(st::make_tensor("odd\nname \xc3\xa9", {1}, {5.0}, st::dtype::BF16));
+  s.meta = {{"format", "pt"}, {"note", "x\"y\\z \xe2\x82\xac"}};
+  return s;
+}
 
-  for (std::size_t i = 0; i < f16_bits.size(); ++i) CHECK(stored_u16(out[0], i) == f16_bits[i]);
-  for (std::size_t i = 0; i < bf16_bits.size(); ++i) CHECK(stored_u16(out[2], i) == bf16_bits[i]);
+}  // namespace
 
-  const std::map<std::string, std::string> meta = {{"format", "pt"}, {"note", "x\"y\\z \xe2\x82\xac"}};
-  const std::vector<unsigned char> bytes = st::serialize(out, meta);
+TEST_CASE("make_tensor stores the known F16 and BF16 bit patterns", "[safetensors]") {
+  const sample s = make_sample();
+  for (std::size_t i = 0; i < s.f16_bits.size(); ++i) CHECK(stored_u16(s.out[0], i) == s.f16_bits[i]);
+  for (std::size_t i = 0; i < s.bf16_bits.size(); ++i) CHECK(stored_u16(s.out[2], i) == s.bf16_bits[i]);
+}
+
+TEST_CASE("every dtype round trips through serialize and parse", "[safetensors]") {
+  const sample s = make_sample();
+  const std::vector<unsigned char> bytes = st::serialize(s.out, s.meta);
   const std::uint64_t n = st::detail::load_u64(bytes.data());
   CHECK(n % 8 == 0);
   CHECK(bytes[8] == '{');
-  CHECK(bytes[8 + n - 1] == ' ' || bytes[8 + n - 1] == '}');
+  CHECK((bytes[8 + n - 1] == ' ' || bytes[8 + n - 1] == '}'));
 
   const st::file f = st::file::parse(bytes, "roundtrip");
-  CHECK(f.metadata() == meta);
-  CHECK(f.tensors().size() == out.size());
+  CHECK(f.metadata() == s.meta);
+  CHECK(f.tensors().size() == s.out.size());
   for (std::size_t i = 1; i < f.tensors().size(); ++i) CHECK(f.tensors()[i - 1].begin <= f.tensors()[i].begin);
   for (const st::tensor_info& t : f.tensors()) {
     CHECK(t.begin % st::dtype_size(t.type) == 0);  // natural alignment within the data section
@@ -350,48 +384,54 @@ void check_round_trips() {
   }
 
   const auto check_floats = [&](const char* name, const std::vector<double>& expect, bool via_float) {
+    INFO("tensor " << name);
     const st::tensor_info& t = f.at(name);
     const std::vector<double> d = f.read_floats<double>(t);
-    const std::vector<float> s = f.read_floats<float>(t);
-    CHECK(d.size() == expect.size() && s.size() == expect.size());
-    for (std::size_t i = 0; i < expect.size() && i < d.size() && i < s.size(); ++i) {
+    const std::vector<float> v = f.read_floats<float>(t);
+    CHECK((d.size() == expect.size() && v.size() == expect.size()));
+    for (std::size_t i = 0; i < expect.size() && i < d.size() && i < v.size(); ++i) {
       const double want = via_float ? static_cast<double>(st::detail::narrow_to_float(expect[i])) : expect[i];
       if (!same_double(d[i], want)) {
-        FAIL("read_floats<double> mismatch");
-        std::fprintf(stderr, "  %s[%zu]: got %a want %a\n", name, i, d[i], want);
+        char buf[128];
+        std::snprintf(buf, sizeof buf, "%s[%zu]: got %a want %a", name, i, d[i], want);
+        FAIL_CHECK("read_floats<double> mismatch: " << buf);
       }
-      CHECK(same_double(static_cast<double>(s[i]), static_cast<double>(st::detail::narrow_to_float(want))));
+      CHECK(same_double(static_cast<double>(v[i]), static_cast<double>(st::detail::narrow_to_float(want))));
     }
   };
-  check_floats("f64", f64_values, false);
-  check_floats("f32", f32_values, true);
+  check_floats("f64", s.f64_values, false);
+  check_floats("f32", s.f32_values, true);
   // F16/BF16 read back as the exact values of the stored patterns (0.1 and pi are not representable)
   std::vector<double> f16_exact, bf16_exact;
-  for (const std::uint16_t h : f16_bits) f16_exact.push_back(half_reference(h));
-  for (const std::uint16_t b : bf16_bits) bf16_exact.push_back(static_cast<double>(st::detail::bf16_bits_to_float(b)));
-  CHECK(f16_exact[9] == 0x1.998p-4 && bf16_exact[7] == 0x1.92p+1);
+  for (const std::uint16_t h : s.f16_bits) f16_exact.push_back(half_reference(h));
+  for (const std::uint16_t b : s.bf16_bits)
+    bf16_exact.push_back(static_cast<double>(st::detail::bf16_bits_to_float(b)));
+  CHECK((f16_exact[9] == 0x1.998p-4 && bf16_exact[7] == 0x1.92p+1));
   check_floats("f16", f16_exact, false);
   check_floats("bf16", bf16_exact, false);
   check_floats("scalar", {2.0}, false);
   check_floats("empty", {}, false);
   CHECK(f.at("f64").shape == (std::vector<std::int64_t>{3, 4}));
   CHECK(f.at("f64").numel() == 12);
-  CHECK(f.at("scalar").shape.empty() && f.at("scalar").numel() == 1);
-  CHECK(f.at("empty").numel() == 0 && f.at("empty").begin == f.at("empty").end);
+  CHECK((f.at("scalar").shape.empty() && f.at("scalar").numel() == 1));
+  CHECK((f.at("empty").numel() == 0 && f.at("empty").begin == f.at("empty").end));
   CHECK(f.find("odd\nname \xc3\xa9") != nullptr);
   CHECK(f.find("nope") == nullptr);
 
-  CHECK(f.read_i64(f.at("i64")) == i64_values);
+  CHECK(f.read_i64(f.at("i64")) == s.i64_values);
   CHECK(f.read_i64(f.at("i32")) == (std::vector<std::int64_t>{-7, std::numeric_limits<std::int32_t>::min(),
                                                               std::numeric_limits<std::int32_t>::max()}));
   const st::tensor_info& tu8 = f.at("u8");
-  CHECK(tu8.type == st::dtype::U8 && tu8.end - tu8.begin == 3);
-  CHECK(std::memcmp(f.raw(tu8), u8.bytes.data(), 3) == 0);
+  CHECK((tu8.type == st::dtype::U8 && tu8.end - tu8.begin == 3));
+  CHECK(std::memcmp(f.raw(tu8), s.u8.bytes.data(), 3) == 0);
   const st::tensor_info& tb = f.at("flags");
-  CHECK(tb.type == st::dtype::BOOL && std::memcmp(f.raw(tb), flags.bytes.data(), 4) == 0);
-  CHECK(std::memcmp(f.raw(f.at("i32")), i32.bytes.data(), 12) == 0);
+  CHECK((tb.type == st::dtype::BOOL && std::memcmp(f.raw(tb), s.flags.bytes.data(), 4) == 0));
+  CHECK(std::memcmp(f.raw(f.at("i32")), s.i32.bytes.data(), 12) == 0);
+}
 
-  // API errors on a valid file
+TEST_CASE("reader API errors on a valid file", "[safetensors]") {
+  const sample s = make_sample();
+  const st::file f = st::file::parse(st::serialize(s.out, s.meta), "roundtrip");
   EXPECT_ERROR(f.at("nope"), {"missing tensor 'nope' in roundtrip"});
   EXPECT_ERROR(f.read_floats<float>(f.at("i64")), {"roundtrip", "tensor 'i64'", "I64", "not floating point"});
   EXPECT_ERROR(f.read_floats<double>(f.at("flags")), {"tensor 'flags'", "BOOL", "not floating point"});
@@ -402,34 +442,39 @@ void check_round_trips() {
   foreign = f.at("f64");
   foreign.begin = foreign.end + 8;
   EXPECT_ERROR(f.raw(foreign), {"does not fit"});
+}
 
-  // dtype helpers
+TEST_CASE("dtype names and sizes", "[safetensors]") {
   CHECK(std::string(st::dtype_name(st::dtype::BF16)) == "BF16");
-  CHECK(st::dtype_size(st::dtype::F64) == 8 && st::dtype_size(st::dtype::BF16) == 2 &&
-        st::dtype_size(st::dtype::BOOL) == 1);
+  CHECK((st::dtype_size(st::dtype::F64) == 8 && st::dtype_size(st::dtype::BF16) == 2 &&
+         st::dtype_size(st::dtype::BOOL) == 1));
+}
 
-  // writer errors
+TEST_CASE("writer errors", "[safetensors]") {
+  const sample s = make_sample();
   EXPECT_ERROR(st::make_tensor("x", {2, 2}, {1.0, 2.0}, st::dtype::F32), {"tensor 'x'", "got 2 values", "expected 4"});
   EXPECT_ERROR(st::make_tensor("x", {1}, {1.0}, st::dtype::I64), {"tensor 'x'", "not floating point"});
   EXPECT_ERROR(st::make_tensor("x", {-1}, {}, st::dtype::F32), {"tensor 'x'", "negative"});
   EXPECT_ERROR(st::make_tensor("x", {std::int64_t{1} << 62, 4}, {}, st::dtype::F32), {"tensor 'x'", "overflow"});
   EXPECT_ERROR(st::make_tensor_i64("x", {3}, {1}), {"tensor 'x'", "expected 3"});
-  EXPECT_ERROR(st::serialize({out[0], out[0]}), {"tensor 'f16'", "duplicate"});
+  EXPECT_ERROR(st::serialize({s.out[0], s.out[0]}), {"tensor 'f16'", "duplicate"});
   EXPECT_ERROR(st::serialize({st::tensor_out{"__metadata__", st::dtype::U8, {}, {1}}}), {"reserved"});
   EXPECT_ERROR(st::serialize({st::tensor_out{"t", st::dtype::F32, {2}, {1, 2, 3}}}),
                {"tensor 't'", "3 bytes", "expected"});
   EXPECT_ERROR(st::serialize({st::tensor_out{"bad\xff", st::dtype::U8, {}, {1}}}), {"UTF-8"});
+}
 
-  // file I/O
+TEST_CASE("file I/O: write, open, a large file, an empty file, and their errors", "[safetensors]") {
+  const sample s = make_sample();
   const std::filesystem::path dir = std::filesystem::temp_directory_path() / "kvevict_safetensors_selfcheck";
   std::filesystem::create_directories(dir);
   const std::string path = (dir / "model.safetensors").string();
-  st::write(path, out, meta);
+  st::write(path, s.out, s.meta);
   {
     const st::file g = st::file::open(path);
-    CHECK(g.metadata() == meta);
-    CHECK(g.read_i64(g.at("i64")) == i64_values);
-    CHECK(g.tensors().size() == out.size());
+    CHECK(g.metadata() == s.meta);
+    CHECK(g.read_i64(g.at("i64")) == s.i64_values);
+    CHECK(g.tensors().size() == s.out.size());
     EXPECT_ERROR(g.at("zzz"), {"missing tensor 'zzz' in ", "model.safetensors"});
   }
   // a file larger than the read chunk
@@ -447,9 +492,9 @@ void check_round_trips() {
   CHECK(st::file::open(empty_path).tensors().empty());
   EXPECT_ERROR(st::file::open((dir / "does_not_exist").string()), {"does_not_exist", "cannot open"});
   EXPECT_ERROR(st::file::open(dir.string()), {"is a directory"});
-  EXPECT_ERROR(st::write((dir / "no_such_dir" / "x.safetensors").string(), out),
+  EXPECT_ERROR(st::write((dir / "no_such_dir" / "x.safetensors").string(), s.out),
                {"no_such_dir", "cannot open for writing"});
-  if (std::filesystem::exists("/dev/full")) EXPECT_ERROR(st::write("/dev/full", out), {"/dev/full", "write failed"});
+  if (std::filesystem::exists("/dev/full")) EXPECT_ERROR(st::write("/dev/full", s.out), {"/dev/full", "write failed"});
   if (std::filesystem::exists("/dev/null")) EXPECT_ERROR(st::file::open("/dev/null"), {"not a regular file"});
   {
     std::FILE* fp = std::fopen((dir / "short.safetensors").string().c_str(), "wb");
@@ -463,8 +508,10 @@ void check_round_trips() {
   std::filesystem::remove_all(dir);
 }
 
-void check_malformed() {
-  const std::string ok_entry = R"({"dtype":"F32","shape":[2],"data_offsets":[0,8]})";
+// ---- malformed input ----
+
+TEST_CASE("parse accepts valid oddities: whitespace, unknown fields however nested, gaps, empty tensors",
+          "[safetensors]") {
   // sanity: the base case parses
   CHECK(parse_header("{\"t\":" + ok_entry + "}", 8).tensors().size() == 1);
   CHECK(parse_header("{}", 0).tensors().empty());
@@ -489,7 +536,9 @@ void check_malformed() {
           9)
           .tensors()
           .size() == 3);
+}
 
+TEST_CASE("malformed: file too short, header length beyond the file or the limit", "[safetensors]") {
   // file shorter than 8 bytes
   EXPECT_ERROR(st::file::parse({}, kSrc), {kSrc, "0 bytes", "shorter than 8 bytes"});
   EXPECT_ERROR(st::file::parse({1, 0, 0, 0, 0, 0, 0}, kSrc), {kSrc, "7 bytes", "shorter than 8 bytes"});
@@ -499,7 +548,9 @@ void check_malformed() {
   EXPECT_ERROR(st::file::parse(with_length(100000001, "{}", 0), kSrc), {kSrc, "exceeds the limit of 100000000"});
   EXPECT_ERROR(st::file::parse(with_length(std::numeric_limits<std::uint64_t>::max(), "{}", 0), kSrc),
                {kSrc, "18446744073709551615", "exceeds the limit"});
-  // header not valid JSON
+}
+
+TEST_CASE("malformed: header not valid JSON", "[safetensors]") {
   EXPECT_ERROR(parse_header("", 0), {kSrc, "not valid JSON"});
   EXPECT_ERROR(parse_header("{", 0), {kSrc, "not valid JSON"});
   EXPECT_ERROR(parse_header("{\"t\":}", 0), {kSrc, "not valid JSON"});
@@ -511,6 +562,9 @@ void check_malformed() {
   EXPECT_ERROR(parse_header(std::string("{\0}", 3), 0), {kSrc, "not valid JSON"});
   EXPECT_ERROR(parse_header("{\"t\":{\"dtype\":\"F32\",\"shape\":[1e400]}}", 0), {kSrc, "not valid JSON"});
   EXPECT_ERROR(parse_header(std::string(200000, '['), 0), {kSrc, "not"});
+}
+
+TEST_CASE("malformed: header or tensor entry not an object", "[safetensors]") {
   // header not a JSON object
   EXPECT_ERROR(parse_header("[]", 0), {kSrc, "not a JSON object", "got an array"});
   EXPECT_ERROR(parse_header("3", 0), {kSrc, "not a JSON object", "got a number"});
@@ -522,6 +576,9 @@ void check_malformed() {
   EXPECT_ERROR(parse_header(R"({"t":[]})", 0), {kSrc, "tensor 't'", "not an object"});
   EXPECT_ERROR(parse_header(R"({"t":"F32"})", 0), {kSrc, "tensor 't'", "not an object"});
   EXPECT_ERROR(parse_header(R"({"t":null})", 0), {kSrc, "tensor 't'", "not an object"});
+}
+
+TEST_CASE("malformed: missing and ill-typed fields", "[safetensors]") {
   // missing fields
   EXPECT_ERROR(parse_header(R"({"t":{"shape":[2],"data_offsets":[0,8]}})", 8),
                {kSrc, "tensor 't'", "missing field 'dtype'"});
@@ -567,14 +624,18 @@ void check_malformed() {
                {"tensor 't'", "'data_offsets' element", "got null"});
   EXPECT_ERROR(parse_header(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[8,4]}})", 8),
                {"tensor 't'", "begin > end"});
-  // unknown dtype
+}
+
+TEST_CASE("malformed: unknown dtype", "[safetensors]") {
   EXPECT_ERROR(parse_header(R"({"t":{"dtype":"F8","shape":[2],"data_offsets":[0,2]}})", 8),
                {"tensor 't'", "unknown dtype 'F8'", "BF16"});
   EXPECT_ERROR(parse_header(R"({"t":{"dtype":"f32","shape":[2],"data_offsets":[0,8]}})", 8),
                {"tensor 't'", "unknown dtype 'f32'"});
   EXPECT_ERROR(parse_header(R"({"t":{"dtype":"","shape":[2],"data_offsets":[0,8]}})", 8),
                {"tensor 't'", "unknown dtype ''"});
-  // shapes: negative, non-integer, out of range, overflowing, too many dims
+}
+
+TEST_CASE("malformed: negative, non-integer, out of range, overflowing and too many dimensions", "[safetensors]") {
   EXPECT_ERROR(parse_header(R"({"t":{"dtype":"F32","shape":[-1],"data_offsets":[0,8]}})", 8),
                {"tensor 't'", "'shape' element -1", "negative"});
   EXPECT_ERROR(parse_header(R"({"t":{"dtype":"F32","shape":[2.5],"data_offsets":[0,8]}})", 8),
@@ -599,13 +660,13 @@ void check_malformed() {
                {"tensor 't'", "byte size", "overflows"});
   EXPECT_ERROR(parse_header(R"({"t":{"dtype":"F32","shape":[9223372036854775807],"data_offsets":[0,8]}})", 8),
                {"tensor 't'", "overflows"});
-  {
-    std::string dims = "[";
-    for (int i = 0; i < 1025; ++i) dims += i ? ",1" : "1";
-    EXPECT_ERROR(parse_header(R"({"t":{"dtype":"U8","shape":)" + dims + R"(],"data_offsets":[0,1]}})", 1),
-                 {"tensor 't'", "more than 1024 dimensions"});
-  }
-  // data_offsets beyond the data section / wrong byte length / huge
+  std::string dims = "[";
+  for (int i = 0; i < 1025; ++i) dims += i ? ",1" : "1";
+  EXPECT_ERROR(parse_header(R"({"t":{"dtype":"U8","shape":)" + dims + R"(],"data_offsets":[0,1]}})", 1),
+               {"tensor 't'", "more than 1024 dimensions"});
+}
+
+TEST_CASE("malformed: data_offsets beyond the data section, of the wrong length, or huge", "[safetensors]") {
   EXPECT_ERROR(parse_header(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 7),
                {"tensor 't'", "beyond the data section of 7 bytes"});
   EXPECT_ERROR(parse_header(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,18446744073709551615]}})", 8),
@@ -618,7 +679,10 @@ void check_malformed() {
                {"tensor 't'", "span 8 bytes", "expected 12 bytes"});
   EXPECT_ERROR(parse_header(R"({"t":{"dtype":"BOOL","shape":[0],"data_offsets":[0,1]}})", 1),
                {"tensor 't'", "expected 0 bytes"});
-  // duplicates (nlohmann would silently keep the last)
+}
+
+TEST_CASE("malformed: duplicate keys at every level", "[safetensors]") {
+  // nlohmann would silently keep the last
   EXPECT_ERROR(parse_header("{\"t\":" + ok_entry + ",\"t\":" + ok_entry + "}", 8), {kSrc, "duplicate tensor name 't'"});
   EXPECT_ERROR(parse_header(R"({"t":{"dtype":"F32","dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 8),
                {"tensor 't'", "duplicate field 'dtype'"});
@@ -626,7 +690,9 @@ void check_malformed() {
                {"tensor 't'", "duplicate field 'x'"});
   EXPECT_ERROR(parse_header(R"({"__metadata__":{"a":"1","a":"2"}})", 0), {kSrc, "duplicate __metadata__ key 'a'"});
   EXPECT_ERROR(parse_header(R"({"__metadata__":{},"__metadata__":{}})", 0), {kSrc, "duplicate '__metadata__'"});
-  // overlapping byte ranges
+}
+
+TEST_CASE("malformed: overlapping byte ranges", "[safetensors]") {
   EXPECT_ERROR(
       parse_header(
           R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
@@ -642,21 +708,25 @@ void check_malformed() {
           R"({"a":{"dtype":"U8","shape":[12],"data_offsets":[0,12]},"b":{"dtype":"U8","shape":[2],"data_offsets":[2,4]},"c":{"dtype":"U8","shape":[1],"data_offsets":[6,7]}})",
           12),
       {kSrc, "overlap"});
-  // __metadata__ not an object of strings
+}
+
+TEST_CASE("malformed: __metadata__ not an object of strings", "[safetensors]") {
   EXPECT_ERROR(parse_header(R"({"__metadata__":[]})", 0), {kSrc, "'__metadata__' is not an object", "got an array"});
   EXPECT_ERROR(parse_header(R"({"__metadata__":"x"})", 0), {kSrc, "'__metadata__' is not an object"});
   EXPECT_ERROR(parse_header(R"({"__metadata__":{"a":1}})", 0),
                {kSrc, "__metadata__ value for key 'a'", "not a string"});
   EXPECT_ERROR(parse_header(R"({"__metadata__":{"a":{"b":"c"}}})", 0), {kSrc, "key 'a'", "not a string"});
   EXPECT_ERROR(parse_header(R"({"__metadata__":{"a":null}})", 0), {kSrc, "key 'a'", "got null"});
-  // untrusted text in messages stays on one line
+}
+
+TEST_CASE("malformed: untrusted text in messages stays on one line and bounded", "[safetensors]") {
   EXPECT_ERROR(parse_header("{\"a\\nb\":3}", 0), {"tensor 'a\\x0ab'"});
   EXPECT_ERROR(parse_header("{\"" + std::string(5000, 'x') + "\":3}", 0), {"...'"});
 }
 
-// Random mutations of valid files: parsing and reading must either succeed or throw st::error, never crash (ASan/UBSan
-// watch for out-of-bounds reads and overflow).
-void fuzz() {
+// Random mutations of valid files: parsing and reading must either succeed or throw st::error, never crash (the asan
+// preset's ASan/UBSan watch for out-of-bounds reads and overflow).
+TEST_CASE("mutation fuzz: parse and read only ever throw safetensors::error", "[safetensors]") {
   std::vector<st::tensor_out> out;
   out.push_back(st::make_tensor("a", {2, 3}, {1, 2, 3, 4, 5, 6}, st::dtype::F32));
   out.push_back(st::make_tensor("b", {4}, {1, -1, 0.5, 65504}, st::dtype::F16));
@@ -696,14 +766,11 @@ void fuzz() {
       ++accepted;
     } catch (const st::error& e) {
       const std::string msg = e.what();
-      if (msg.find('\n') != std::string::npos || msg.rfind("fuzz", 0) != 0) {
-        FAIL("fuzz: badly formed error message");
-        std::fprintf(stderr, "  %s\n", msg.c_str());
-      }
+      if (msg.find('\n') != std::string::npos || msg.rfind("fuzz", 0) != 0)
+        FAIL_CHECK("fuzz: badly formed error message: " << msg);
       ++rejected;
     } catch (const std::exception& e) {
-      FAIL("fuzz: non-safetensors exception");
-      std::fprintf(stderr, "  %s\n", e.what());
+      FAIL_CHECK("fuzz: non-safetensors exception: " << e.what());
     }
   };
   for (int iter = 0; iter < 30000; ++iter) {
@@ -744,23 +811,7 @@ void fuzz() {
       exercise(make_file(h, data_len - cut));
     }
   }
-  CHECK(accepted > 0 && rejected > 0);
-  std::printf("fuzz: %zu accepted, %zu rejected\n", accepted, rejected);
-}
-
-}  // namespace
-
-int main() {
-  check_half_conversions();
-  check_bf16_conversions();
-  check_encoder_against_hardware();
-  check_round_trips();
-  check_malformed();
-  fuzz();
-  if (g_failures) {
-    std::fprintf(stderr, "safetensors selfcheck: %d of %d checks FAILED\n", g_failures, g_checks);
-    return 1;
-  }
-  std::printf("safetensors selfcheck: all %d checks passed\n", g_checks);
-  return 0;
+  INFO("fuzz: " << accepted << " accepted, " << rejected << " rejected");
+  CHECK(accepted > 0);
+  CHECK(rejected > 0);
 }

@@ -16,7 +16,7 @@
 #include "support/reference.hpp"
 
 namespace fs = std::filesystem;
-namespace st = kvevict::safetensors;
+namespace st = safetensors;
 
 namespace {
 
@@ -216,7 +216,8 @@ TEST_CASE("kvevict-select rejects bad input with one clear line and a non-zero e
   SECTION("budget out of range") {
     fs::copy_file(good, bad, fs::copy_options::overwrite_existing);
     expect_failure("--policy snapkv --budget 41" + io, "n_kept must be in [1, 40]");
-    expect_failure("--policy snapkv --budget 0" + io, "n_kept must be in [1, 40]");
+    expect_failure("--policy snapkv --budget 0" + io, "kvevict::Budget: tokens must be >= 1, got 0");
+    expect_failure("--policy snapkv --budget 41" + io, "kvevict::SnapKV::select (layer 0): n_kept must be in [1, 40]");
     expect_failure("--policy snapkv --keep 0.01" + io, "n_kept must be in [1, 40]");
     expect_failure("--policy snapkv --keep 1.5" + io, "--keep");
     expect_failure("--policy snapkv --compression-ratio 1" + io, "--compression-ratio");

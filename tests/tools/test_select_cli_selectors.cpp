@@ -23,7 +23,7 @@
 #include "support/selector_inputs.hpp"
 
 namespace fs = std::filesystem;
-namespace st = kvevict::safetensors;
+namespace st = safetensors;
 using kvevict_test::DefBase;
 using kvevict_test::Forced;
 using kvevict_test::Kept;
@@ -358,9 +358,9 @@ TEST_CASE("kvevict-select value-aware policies reject bad input with one clear l
     std::vector<Layer> poisoned = layers;
     poisoned[1].l.v[17] = std::numeric_limits<double>::quiet_NaN();
     write_model(bad, poisoned, Contents{});
-    expect_failure("--policy defensivekv --budget 12" + io(bad, out), 1, "layer 1: kvevict::select: values[");
+    expect_failure("--policy defensivekv --budget 12" + io(bad, out), 1, "kvevict::DefensiveKV::select (layer 1): values[");
     expect_failure("--policy criticalkv --budget 12 --precision f64" + io(bad, out), 1, "is not finite");
-    expect_failure("--policy layer-defensivekv --budget 12" + io(bad, out), 1, "layer 1: ");
+    expect_failure("--policy layer-defensivekv --budget 12" + io(bad, out), 1, "kvevict::LayerDefensiveKV::add (layer 1): values[");
   }
   SECTION("reference quirks without a compression ratio") {
     write_model(bad, layers, Contents{});

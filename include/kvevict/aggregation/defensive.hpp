@@ -49,8 +49,8 @@ class DefensiveAggregator {
 };
 
 /// Defensive scores [Hkv, P] of a layer (streams over query heads).
-template <class S, class T>
-RowMatrix<S> defensive_scores(const WindowObservation<S, T>& obs, Index kernel, Pooling pooling, bool floor) {
+template <class S, class KV, class Q>
+RowMatrix<S> defensive_scores(const WindowObservation<S, KV, Q>& obs, Index kernel, Pooling pooling, bool floor) {
   DefensiveAggregator<S> agg(obs.shape(), kernel, pooling, floor);
   obs.for_each_head([&](Index q, const RowMatrix<S>& rows) { agg.add(q, rows); });
   return agg.finish();

@@ -36,8 +36,8 @@ class MeanAggregator {
 };
 
 /// Mean-aggregated scores [Hkv, P] of a layer (streams over query heads: extra memory O(w L + P)).
-template <class S, class T>
-RowMatrix<S> mean_scores(const WindowObservation<S, T>& obs, Index kernel, Pooling pooling) {
+template <class S, class KV, class Q>
+RowMatrix<S> mean_scores(const WindowObservation<S, KV, Q>& obs, Index kernel, Pooling pooling) {
   MeanAggregator<S> agg(obs.shape(), kernel, pooling);
   obs.for_each_head([&](Index q, const RowMatrix<S>& rows) { agg.add(q, rows); });
   return agg.finish();

@@ -13,6 +13,7 @@
 namespace kvevict {
 
 struct HeadAdaptiveAllocation {
+  static constexpr const char* type_name = "HeadAdaptiveAllocation";
   enum class Variant {
     kvpress,  ///< kvpress AdaKVPress: safeguard forcing, then one flat top-k of the layer total (the default)
     original  ///< the original AdaKV repo: b_h = round(count_h (1 - alpha) + floor(alpha (n_kept - w))) + w

@@ -18,15 +18,14 @@ struct LayerBudget {
   Index total = 0;
   Index window = 0;
   double compression_ratio = std::numeric_limits<double>::quiet_NaN();
-  /// True when one top-k over all layers allocates (LayerGlobalPolicy): forced and window entries must then
-  /// outrank every scored entry of every layer (ALGORITHMS.md 2.6, layer-global forcing).
+  /// True when one top-k over all layers allocates (LayerGlobalPolicy), so scores are compared across layers.
   bool shared_across_layers = false;
 };
 
 /// The budget of one layer of `shape`: n_kept from `budget` (throws unless 1 <= n_kept <= L), total Hkv * n_kept.
-inline LayerBudget layer_budget(const LayerShape& shape, const Budget& budget) {
+inline LayerBudget layer_budget(const LayerShape& shape, const Budget& budget, const char* where = "select") {
   LayerBudget b;
-  b.n_kept = budget.n_kept(shape.tokens, "select");
+  b.n_kept = budget.n_kept(shape.tokens, where);
   b.total = shape.kv_heads * static_cast<Index>(b.n_kept);
   b.window = shape.window;
   if (budget.kind() == Budget::Kind::compression_ratio) b.compression_ratio = budget.value();

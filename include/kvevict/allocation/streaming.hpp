@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
 #include "kvevict/core/budget.hpp"
 #include "kvevict/core/inputs.hpp"
@@ -15,6 +16,7 @@ namespace kvevict {
 /// max(0, n_kept - sinks) tokens. Reads only the keys' shape.
 class StreamingLLM {
  public:
+  static constexpr const char* type_name = "StreamingLLM";
   struct Params {
     Index sinks = 4;
     void validate(const char* where) const {
@@ -23,14 +25,17 @@ class StreamingLLM {
   };
 
   StreamingLLM() = default;
-  explicit StreamingLLM(const Params& params) : params_((params.validate("StreamingLLM"), params)) {}
+  explicit StreamingLLM(const Params& params) : params_((params.validate("StreamingLLM::Params"), params)) {}
   const Params& params() const { return params_; }
+  /// StreamingLLM reads only the keys' shape.
+  static constexpr bool reads_observation() { return false; }
+  bool reads_values() const { return false; }
 
   /// Selection over a layer of kv_heads x tokens.
-  Selection select(Index kv_heads, Index tokens, const Budget& budget) const {
-    detail::require(kv_heads >= 1 && tokens >= 1, "select", "StreamingLLM needs kv_heads >= 1 and tokens >= 1, got ",
-                    kv_heads, " and ", tokens);
-    const auto n_kept = static_cast<Index>(budget.n_kept(tokens, "select"));
+  Selection select(Index kv_heads, Index tokens, const Budget& budget, const char* where = "StreamingLLM::select") const {
+    detail::require(kv_heads >= 1 && tokens >= 1, where, "needs kv_heads >= 1 and tokens >= 1, got ", kv_heads,
+                    " and ", tokens);
+    const auto n_kept = static_cast<Index>(budget.n_kept(tokens, where));
     const Index sinks = std::min(params_.sinks, n_kept), recent = n_kept - sinks;
     KeepFlags keep(static_cast<std::size_t>(kv_heads * tokens), 0);
     for (Index h = 0; h < kv_heads; ++h)
@@ -40,9 +45,15 @@ class StreamingLLM {
   }
 
   /// Same as the scored policies' entry point; reads only keys [Hkv, L, d].
-  template <class S = float, class T>
-  Selection select(const LayerInputs<T>& in, const Budget& budget) const {
+  template <class S = float, class KV, class Q, class W>
+  Selection select(const LayerInputs<KV, Q, W>& in, const Budget& budget) const {
     return select(in.keys.heads(), in.keys.rows(), budget);
+  }
+  /// The same for layer `layer` of a model (named in error messages).
+  template <class S = float, class KV, class Q, class W>
+  Selection select(const LayerInputs<KV, Q, W>& in, const Budget& budget, Index layer) const {
+    const std::string where = "StreamingLLM::select (layer " + std::to_string(layer) + ")";
+    return select(in.keys.heads(), in.keys.rows(), budget, where.c_str());
   }
 
  private:

@@ -11,6 +11,7 @@ namespace kvevict {
 /// Uniform allocation: b_h = n_kept for every KV head. With the window in the window tier, each head keeps the
 /// window plus its top (n_kept - w) prefix tokens; with n_kept < w, its most recent n_kept window tokens.
 struct UniformAllocation {
+  static constexpr const char* type_name = "UniformAllocation";
   struct Params {
     void validate(const char* /*where*/) const {}
   };

@@ -14,12 +14,15 @@ namespace kvevict {
 ///   Budget::keep_ratio(r)        n_kept = int(L * r), in double, truncated toward zero
 ///   Budget::compression_ratio(c) n_kept = int(L * (1 - c)), in double, truncated (the reference's rounding:
 ///                                L = 1000, c = 0.8 gives 199, not 200)
-/// The result must lie in [1, L].
+/// Each form is checked when it is made (tokens >= 1, ratios in range); n_kept(L) must then lie in [1, L].
 class Budget {
  public:
   enum class Kind { tokens, keep_ratio, compression_ratio };
 
-  static Budget tokens(std::int64_t n) { return Budget(Kind::tokens, static_cast<double>(n), n); }
+  static Budget tokens(std::int64_t n) {
+    detail::require(n >= 1, "Budget", "tokens must be >= 1, got ", n);
+    return Budget(Kind::tokens, static_cast<double>(n), n);
+  }
   static Budget keep_ratio(double r) {
     detail::require(std::isfinite(r) && r > 0.0 && r <= 1.0, "Budget", "keep ratio must be in (0, 1], got ", r);
     return Budget(Kind::keep_ratio, r, 0);

@@ -16,8 +16,9 @@ struct OutputGram;  // value/value_norm.hpp
 template <class T>
 using gram_scalar_t = std::conditional_t<std::is_same_v<std::remove_const_t<T>, double>, double, float>;
 
-/// One layer's tensors, all views (nothing is copied). T is the storage type (float, double, Eigen::half or
-/// Eigen::bfloat16).
+/// One layer's tensors, all views (nothing is copied). Each group of tensors has its own storage type (float,
+/// double, Eigen::half or Eigen::bfloat16), so an fp16 KV cache can come with fp32 queries and bf16 weights:
+///   KV: keys and values (the cache)    Q: queries or attention (default KV)    W: w_o (default Q)
 /// Give either `queries` or `attention`:
 ///   queries   [H, w, head_dim]  post-RoPE queries of the window positions L-w .. L-1
 ///   attention [H, w, L]         full softmax rows of those queries (engines with eager attention)
@@ -30,14 +31,18 @@ using gram_scalar_t = std::conditional_t<std::is_same_v<std::remove_const_t<T>, 
 ///             select (2 H D d^2 FLOPs, as much as the value term itself at 4k tokens for Llama-3.1-8B). It must be
 ///             the Gram of this w_o (the library checks its shape and finiteness, not its values). A float Gram
 ///             used by select<double>() is widened, not recomputed.
-template <class T>
+template <class KV, class Q = KV, class W = Q>
 struct LayerInputs {
-  HeadsView<const T> queries;
-  HeadsView<const T> attention;
-  KVView<const T> keys;
-  KVView<const T> values;
-  HeadsView<const T> w_o;
-  const OutputGram<gram_scalar_t<T>>* w_o_gram = nullptr;
+  using kv_type = KV;
+  using query_type = Q;
+  using weight_type = W;
+
+  HeadsView<const Q> queries;
+  HeadsView<const Q> attention;
+  KVView<const KV> keys;
+  KVView<const KV> values;
+  HeadsView<const W> w_o;
+  const OutputGram<gram_scalar_t<W>>* w_o_gram = nullptr;
 };
 
 /// The dimensions of one layer after validation.
@@ -54,8 +59,8 @@ struct LayerShape {
 namespace detail {
 
 /// Checks `in` against the rules of ALGORITHMS.md section 1 for a window of `window` queries; O(1).
-template <class T>
-LayerShape validate_inputs(const LayerInputs<T>& in, Index window, const char* where) {
+template <class KV, class Q, class W>
+LayerShape validate_inputs(const LayerInputs<KV, Q, W>& in, Index window, const char* where) {
   const bool has_q = in.queries.heads() * in.queries.rows() * in.queries.cols() > 0;
   const bool has_a = in.attention.heads() * in.attention.rows() * in.attention.cols() > 0;
   require(in.keys.heads() >= 1 && in.keys.rows() >= 1 && in.keys.cols() >= 1, where,
@@ -71,7 +76,7 @@ LayerShape validate_inputs(const LayerInputs<T>& in, Index window, const char* w
   require(window >= 1, where, "window must be >= 1, got ", window);
   require(window < s.tokens, where, "window (", window, ") must be smaller than the context length (", s.tokens, ")");
   s.prefix = s.tokens - window;
-  const HeadsView<const T>& obs = has_q ? in.queries : in.attention;
+  const HeadsView<const Q>& obs = has_q ? in.queries : in.attention;
   const char* obs_name = has_q ? "queries" : "attention";
   s.query_heads = obs.heads();
   require(s.query_heads % s.kv_heads == 0, where, obs_name, " heads (", s.query_heads,

@@ -32,8 +32,8 @@ struct OutputPerturbation {
 
 namespace detail {
 
-template <class T>
-void validate_future(const HeadsView<const T>& future, const KVView<const T>& keys, const Selection& sel,
+template <class Q, class KV>
+void validate_future(const HeadsView<const Q>& future, const KVView<const KV>& keys, const Selection& sel,
                      const char* where) {
   require(future.heads() >= 1 && future.rows() >= 1, where,
           "future_queries must be a non-empty [H, F, head_dim] view, got [", future.heads(), ", ", future.rows(), ", ",
@@ -48,8 +48,8 @@ void validate_future(const HeadsView<const T>& future, const KVView<const T>& ke
 }
 
 /// Softmax rows [F, L] of query head q over all context tokens, in double.
-template <class T>
-RowMatrix<double> future_attention(const HeadsView<const T>& future, const KVView<const T>& keys, Index q) {
+template <class Q, class KV>
+RowMatrix<double> future_attention(const HeadsView<const Q>& future, const KVView<const KV>& keys, Index q) {
   const Index G = future.heads() / keys.heads();
   RowMatrix<double> a = future.head(q).template cast<double>() * keys.head(q / G).template cast<double>().transpose();
   a /= std::sqrt(static_cast<double>(keys.cols()));
@@ -64,8 +64,8 @@ RowMatrix<double> future_attention(const HeadsView<const T>& future, const KVVie
 }  // namespace detail
 
 /// future_queries [H, F, head_dim] post-RoPE queries of positions after the context; keys [Hkv, L, d].
-template <class T>
-RetainedMass retained_attention_mass(const HeadsView<const T>& future_queries, const KVView<const T>& keys,
+template <class Q, class KV>
+RetainedMass retained_attention_mass(const HeadsView<const Q>& future_queries, const KVView<const KV>& keys,
                                      const Selection& sel) {
   detail::validate_future(future_queries, keys, sel, "retained_attention_mass");
   const Index H = future_queries.heads(), F = future_queries.rows(), G = H / keys.heads();
@@ -85,8 +85,8 @@ RetainedMass retained_attention_mass(const HeadsView<const T>& future_queries, c
 }
 
 /// future_queries [H, F, d]; in.keys, in.values [Hkv, L, d] and in.w_o (output_projection()) are read.
-template <class T>
-OutputPerturbation output_perturbation(const HeadsView<const T>& future_queries, const LayerInputs<T>& in,
+template <class KV, class Q, class W>
+OutputPerturbation output_perturbation(const HeadsView<const Q>& future_queries, const LayerInputs<KV, Q, W>& in,
                                        const Selection& sel) {
   const char* where = "output_perturbation";
   detail::validate_future(future_queries, in.keys, sel, where);

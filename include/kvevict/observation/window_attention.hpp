@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
 
 #include "kvevict/core/inputs.hpp"
 #include "kvevict/core/parallel.hpp"
@@ -48,39 +49,54 @@ void softmax_window_rows(const QMat& q_win, const KMat& k, RowMatrix<S>& rows) {
   }
 }
 
+/// `m` in the arithmetic type S: itself when stored as S, else a lazy conversion (Eigen maps nest by value).
+template <class S, class M>
+decltype(auto) as_arithmetic(M&& m) {
+  if constexpr (std::is_same_v<typename std::decay_t<M>::Scalar, S>)
+    return std::forward<M>(m);
+  else
+    return m.template cast<S>();
+}
+
 }  // namespace detail
 
 /// Window attention of query head q: `rows` [w, L] receives softmax(Q_win[q] K[q/G]^T / sqrt(d)) with the causal
 /// mask inside the window (row i, at absolute position L-w+i, sees keys j <= L-w+i; masked entries are 0).
-/// S is the arithmetic type (float or wider), T the storage type.
-template <class S, class T>
-void window_attention(const HeadsView<const T>& queries, const KVView<const T>& keys, Index q, Index group,
+/// S is the arithmetic type (float or wider); Q and KV the storage types of the queries and the keys.
+template <class S, class Q, class KV>
+void window_attention(const HeadsView<const Q>& queries, const KVView<const KV>& keys, Index q, Index group,
                       RowMatrix<S>& rows) {
   static_assert(std::is_floating_point_v<S>, "window_attention: arithmetic type must be float or double");
   const Index h = q / group;
-  if constexpr (std::is_same_v<S, T>) {
-    detail::softmax_window_rows<S>(queries.head(q), keys.head(h), rows);
+  if constexpr (std::is_same_v<S, KV>) {
+    detail::softmax_window_rows<S>(detail::as_arithmetic<S>(queries.head(q)), keys.head(h), rows);
   } else {
     const RowMatrix<S> k = keys.head(h).template cast<S>();
-    detail::softmax_window_rows<S>(queries.head(q).template cast<S>(), k, rows);
+    detail::softmax_window_rows<S>(detail::as_arithmetic<S>(queries.head(q)), k, rows);
   }
 }
 
 /// The observation of one layer: the [w, L] softmax rows of every query head, from window queries or from
 /// attention rows the engine already has. Rows of head q are produced on demand into a reused buffer.
-template <class S, class T>
+/// S is the arithmetic type; KV and Q the storage types of the keys and of the queries (or attention rows).
+template <class S, class KV, class Q = KV>
 class WindowObservation {
  public:
   /// Throws kvevict::invalid_argument if the tensors it reads (queries and keys, or attention) hold NaN or Inf:
   /// a non-finite input can vanish in the softmax (a -Inf logit) or behind a max pooling, so scores alone cannot
   /// be trusted to reveal it. O(size of those tensors), once.
-  WindowObservation(const LayerInputs<T>& in, const LayerShape& shape)
-      : in_(in), shape_(shape), from_queries_(in.queries.heads() * in.queries.rows() * in.queries.cols() > 0) {
+  template <class W>
+  WindowObservation(const LayerInputs<KV, Q, W>& in, const LayerShape& shape, const char* where = "select")
+      : queries_(in.queries),
+        attention_(in.attention),
+        keys_(in.keys),
+        shape_(shape),
+        from_queries_(in.queries.heads() * in.queries.rows() * in.queries.cols() > 0) {
     if (from_queries_) {
-      detail::require_finite(in_.queries, "select", "queries");
-      detail::require_finite(in_.keys, "select", "keys");
+      detail::require_finite(queries_, where, "queries");
+      detail::require_finite(keys_, where, "keys");
     } else {
-      detail::require_finite(in_.attention, "select", "attention");
+      detail::require_finite(attention_, where, "attention");
     }
   }
 
@@ -97,11 +113,11 @@ class WindowObservation {
     };
     detail::parallel_for_with<Scratch>(shape_.kv_heads, [&](Index h, Scratch& scratch) {
       RowMatrix<S>& rows = scratch.rows;
-      if constexpr (!std::is_same_v<S, T>) {
+      if constexpr (!std::is_same_v<S, KV>) {
         if (from_queries_) {  // convert the KV head's keys once for its G query heads
-          scratch.keys = in_.keys.head(h).template cast<S>();
+          scratch.keys = keys_.head(h).template cast<S>();
           for (Index q = h * G; q < (h + 1) * G; ++q) {
-            detail::softmax_window_rows<S>(in_.queries.head(q).template cast<S>(), scratch.keys, rows);
+            detail::softmax_window_rows<S>(detail::as_arithmetic<S>(queries_.head(q)), scratch.keys, rows);
             f(q, static_cast<const RowMatrix<S>&>(rows));
           }
           return;
@@ -117,18 +133,24 @@ class WindowObservation {
   /// Rows [w, L] of query head q.
   void head_rows(Index q, RowMatrix<S>& rows) const {
     if (from_queries_) {  // the same rule as validate_inputs: a view with a zero extent is not given
-      window_attention<S, T>(in_.queries, in_.keys, q, shape_.group, rows);
-    } else if constexpr (std::is_same_v<S, T>) {
-      rows = in_.attention.head(q);
+      window_attention<S, Q, KV>(queries_, keys_, q, shape_.group, rows);
     } else {
-      rows = in_.attention.head(q).template cast<S>();
+      rows = detail::as_arithmetic<S>(attention_.head(q));
     }
   }
 
  private:
-  const LayerInputs<T>& in_;
+  HeadsView<const Q> queries_, attention_;
+  KVView<const KV> keys_;
   LayerShape shape_;
   bool from_queries_;
 };
+
+/// Deduces the storage types: WindowObservation<S, KV, Q> from LayerInputs<KV, Q, W>.
+template <class S, class KV, class Q, class W>
+WindowObservation<S, KV, Q> observe(const LayerInputs<KV, Q, W>& in, const LayerShape& shape,
+                                    const char* where = "select") {
+  return WindowObservation<S, KV, Q>(in, shape, where);
+}
 
 }  // namespace kvevict

@@ -2,6 +2,9 @@
 /// LayerGlobalPolicy<Selector>: one budget shared by every layer of the model (plan, then apply).
 
 #include <cmath>
+#include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kvevict/allocation/layer_budget.hpp"
@@ -9,6 +12,8 @@
 #include "kvevict/core/budget.hpp"
 #include "kvevict/core/inputs.hpp"
 #include "kvevict/core/selection.hpp"
+#include "kvevict/policy/contracts.hpp"
+#include "kvevict/selectors/attention_selector.hpp"
 #include "kvevict/selectors/selector.hpp"
 
 namespace kvevict {
@@ -18,44 +23,57 @@ namespace kvevict {
 /// with its budgets. Immutable after construction; plan() objects are per call.
 template <class Selector>
 class LayerGlobalPolicy {
+  static_assert(detail::is_selector<Selector>::value,
+                "kvevict::LayerGlobalPolicy<Selector>: Selector must meet the Selector contract (Params, Layer<S>, "
+                "adjust_budget, score<S>, select; see selectors/selector.hpp): AttentionSelector, CriticalSelector, "
+                "DefensiveSelector, or your own");
+  using checked_selector = std::conditional_t<detail::is_selector<Selector>::value, Selector, AttentionSelector>;
+
  public:
-  struct Params : CommonParams, Selector::Params {
+  using SelectorType = checked_selector;
+
+  struct Params : CommonParams, SelectorType::Params {
     void validate(const char* where) const {
       CommonParams::validate(where);
-      Selector::Params::validate(where);
+      SelectorType::Params::validate(where);
     }
   };
 
   /// Scores layers one at a time (an engine can drop each layer's queries after add()), then apply() selects.
-  /// Holds a copy of the policy's parameters, so it may outlive the policy.
-  template <class S, class T>
+  /// Holds a copy of the policy, so it may outlive it. S is the arithmetic type; each layer may have its own
+  /// storage types.
+  template <class S>
   class Plan {
    public:
     Plan(const LayerGlobalPolicy& policy, const Budget& budget) : policy_(policy), budget_(budget) {}
 
-    /// Scores one layer (in model order). Throws kvevict::invalid_argument on bad shapes or budgets.
-    void add(const LayerInputs<T>& in) {
-      const char* where = "LayerGlobalPolicy::add";
-      const LayerShape shape = detail::validate_inputs(in, policy_.params_.window, where);
-      LayerBudget b = layer_budget(shape, budget_);
+    /// Scores the next layer (in model order). Throws kvevict::invalid_argument on bad shapes or budgets, with a
+    /// message that starts with "kvevict::<name>::add (layer <i>): ".
+    template <class KV, class Q, class W>
+    void add(const LayerInputs<KV, Q, W>& in) {
+      const std::string where = policy_.name_ + "::add (layer " + std::to_string(layers_.size()) + ")";
+      const LayerShape shape = detail::validate_inputs(in, policy_.params_.window, where.c_str());
+      LayerBudget b = layer_budget(shape, budget_, where.c_str());
       b.shared_across_layers = true;
-      policy_.selector_.adjust_budget(b, shape, policy_.params_);
-      layers_.push_back(policy_.selector_.template score<S>(in, shape, policy_.params_, b));
+      policy_.selector_.adjust_budget(b, shape, policy_.params_, where.c_str());
+      auto scored = policy_.selector_.template score<S>(in, shape, policy_.params_, b, where.c_str());
+      if (policy_.params_.reference_quirks) {
+        const double cr = detail::quirk_compression_ratio(b, where.c_str());
+        detail::require(layers_.empty() || (shapes_.front().tokens == shape.tokens &&
+                                            shapes_.front().kv_heads == shape.kv_heads),
+                        where.c_str(), "reference_quirks needs every layer to have the same tokens and KV heads, ",
+                        "layer ", layers_.size(), " has ", shape.tokens, " and ", shape.kv_heads);
+        quirk_total_ = static_cast<Index>(static_cast<double>(shape.tokens) * (1.0 - cr) *
+                                          static_cast<double>(shape.kv_heads) * static_cast<double>(layers_.size() + 1));
+      }
+      layers_.push_back(std::move(scored));
       shapes_.push_back(shape);
       total_ += shape.kv_heads * static_cast<Index>(b.n_kept);
-      if (policy_.params_.reference_quirks) {
-        const double cr = detail::quirk_compression_ratio(b, where);
-        detail::require(shapes_.front().tokens == shape.tokens && shapes_.front().kv_heads == shape.kv_heads, where,
-                        "reference_quirks needs every layer to have the same tokens and KV heads, layer ",
-                        shapes_.size() - 1, " has ", shape.tokens, " and ", shape.kv_heads);
-        quirk_total_ = static_cast<Index>(static_cast<double>(shape.tokens) * (1.0 - cr) *
-                                          static_cast<double>(shape.kv_heads) * static_cast<double>(layers_.size()));
-      }
     }
 
     /// Allocates across layers and returns one Selection per added layer.
     std::vector<Selection> apply() const {
-      detail::require(!layers_.empty(), "LayerGlobalPolicy::apply", "no layer was added");
+      detail::require(!layers_.empty(), (policy_.name_ + "::apply").c_str(), "no layer was added");
       std::vector<const ScoreMap<S>*> maps;
       for (const auto& l : layers_) maps.push_back(&l.allocation);
       const Index total = policy_.params_.reference_quirks ? quirk_total_ : total_;
@@ -72,32 +90,40 @@ class LayerGlobalPolicy {
    private:
     LayerGlobalPolicy policy_;  // a copy (small): the plan may outlive the policy it came from
     Budget budget_;
-    std::vector<typename Selector::template Layer<S>> layers_;
+    std::vector<typename SelectorType::template Layer<S>> layers_;
     std::vector<LayerShape> shapes_;
     Index total_ = 0, quirk_total_ = 0;
   };
 
   LayerGlobalPolicy() : LayerGlobalPolicy(Params{}) {}
-  explicit LayerGlobalPolicy(const Params& params)
-      : params_((params.validate("LayerGlobalPolicy"), params)), selector_(params) {}
+  /// Throws kvevict::invalid_argument naming the first bad field. `name` prefixes every error message.
+  explicit LayerGlobalPolicy(const Params& params,
+                             std::string name = "LayerGlobalPolicy<" + detail::name_of<Selector>() + ">")
+      : name_(std::move(name)), params_((params.validate((name_ + "::Params").c_str()), params)), selector_(params) {}
   const Params& params() const { return params_; }
+  const std::string& name() const { return name_; }
+  /// Whether select() reads the window observation (queries or attention), and values and W_o.
+  static constexpr bool reads_observation() { return true; }
+  bool reads_values() const { return selector_.reads_values(); }
 
-  template <class S = float, class T = float>
-  Plan<S, T> plan(const Budget& budget) const {
-    return Plan<S, T>(*this, budget);
+  /// A plan for one model: add() every layer in order, then apply(). S is the arithmetic type.
+  template <class S = float>
+  Plan<S> plan(const Budget& budget) const {
+    return Plan<S>(*this, budget);
   }
 
   /// All layers at once: one Selection per layer.
-  template <class S = float, class T>
-  std::vector<Selection> select(const std::vector<LayerInputs<T>>& layers, const Budget& budget) const {
-    Plan<S, T> p(*this, budget);
-    for (const LayerInputs<T>& in : layers) p.add(in);
+  template <class S = float, class KV, class Q, class W>
+  std::vector<Selection> select(const std::vector<LayerInputs<KV, Q, W>>& layers, const Budget& budget) const {
+    Plan<S> p(*this, budget);
+    for (const auto& in : layers) p.add(in);
     return p.apply();
   }
 
  private:
+  std::string name_;
   Params params_;
-  Selector selector_;
+  SelectorType selector_;
 };
 
 }  // namespace kvevict

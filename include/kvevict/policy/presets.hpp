@@ -1,5 +1,6 @@
 #pragma once
-/// The named policies of ALGORITHMS.md section 3, as thin presets over Policy and LayerGlobalPolicy.
+/// The named policies (docs/algorithms.md section 3), as thin presets over Policy and LayerGlobalPolicy. Each is a
+/// class so that its name appears in error messages and its defaults carry over when it serves as a base.
 
 #include "kvevict/allocation/head_adaptive.hpp"
 #include "kvevict/allocation/streaming.hpp"
@@ -14,45 +15,64 @@ namespace kvevict {
 
 /// SnapKV (arXiv 2404.14469): mean window attention, pooled; every KV head keeps the window and its top
 /// (n_kept - w) prefix tokens.
-using SnapKV = Policy<UniformAllocation, AttentionSelector>;
+class SnapKV : public Policy<UniformAllocation, AttentionSelector> {
+ public:
+  static constexpr const char* type_name = "SnapKV";
+  explicit SnapKV(const Params& p = Params{}) : Policy(p, type_name) {}
+};
 
 /// AdaKV (arXiv 2407.11550), as kvpress AdaKVPress: SnapKV's scores, one top-k of Hkv * n_kept over the whole
 /// layer with a per-head safeguard of int(n_kept * alpha) tokens (alpha 0.2).
-using AdaKV = Policy<HeadAdaptiveAllocation, AttentionSelector>;
+class AdaKV : public Policy<HeadAdaptiveAllocation, AttentionSelector> {
+ public:
+  static constexpr const char* type_name = "AdaKV";
+  explicit AdaKV(const Params& p = Params{}) : Policy(p, type_name) {}
+};
 
 /// CriticalKV (arXiv 2502.03805, ICML 2026), the published configuration (kvpress CriticalAdaKVPress): AdaKV's
 /// allocation, then per head half the budget by attention and half by attention x ||V W_o^T||_1.
-using CriticalKV = Policy<AdaKV, CriticalSelector>;
+class CriticalKV : public Policy<AdaKV, CriticalSelector> {
+ public:
+  static constexpr const char* type_name = "CriticalKV";
+  explicit CriticalKV(const Params& p = Params{}) : Policy(p, type_name) {}
+};
 
 /// CriticalKV plugged into SnapKV's uniform allocation (kvpress CriticalKVPress(SnapKVPress)).
-using CriticalSnapKV = Policy<SnapKV, CriticalSelector>;
+class CriticalSnapKV : public Policy<SnapKV, CriticalSelector> {
+ public:
+  static constexpr const char* type_name = "CriticalSnapKV";
+  explicit CriticalSnapKV(const Params& p = Params{}) : Policy(p, type_name) {}
+};
 
 /// DefensiveKV (arXiv 2510.13334, ICLR 2026): defensive aggregation x normalised value term, cumulative-mass
-/// forcing, one flat top-k over the layer (head-adaptive with no safeguard: construct with alpha = 0, which
-/// DefensiveKV::Params does by default).
+/// forcing, one flat top-k over the layer (head-adaptive without the safeguard: its Params default alpha to 0).
 class DefensiveKV : public Policy<HeadAdaptiveAllocation, DefensiveSelector> {
  public:
-  struct Params : Policy<HeadAdaptiveAllocation, DefensiveSelector>::Params {
+  static constexpr const char* type_name = "DefensiveKV";
+  struct Params : Policy::Params {
     Params() { alpha = 0.0; }
   };
-  DefensiveKV() : DefensiveKV(Params{}) {}
-  explicit DefensiveKV(const Params& p) : Policy<HeadAdaptiveAllocation, DefensiveSelector>(p) {}
+  explicit DefensiveKV(const Params& p = Params{}) : Policy(p, type_name) {}
 };
 
 /// Layer-DefensiveKV (arXiv 2510.13334): DefensiveKV's scores with one budget shared by all layers.
-using LayerDefensiveKV = LayerGlobalPolicy<DefensiveSelector>;
+class LayerDefensiveKV : public LayerGlobalPolicy<DefensiveSelector> {
+ public:
+  static constexpr const char* type_name = "LayerDefensiveKV";
+  explicit LayerDefensiveKV(const Params& p = Params{}) : LayerGlobalPolicy(p, type_name) {}
+};
 
 /// The DefensiveKV paper's ablation: AdaKV with the defensive aggregation alone (no value term, no mass forcing).
 class AdaKVDefensive : public Policy<AdaKV, DefensiveSelector> {
  public:
-  struct Params : Policy<AdaKV, DefensiveSelector>::Params {
+  static constexpr const char* type_name = "AdaKVDefensive";
+  struct Params : Policy::Params {
     Params() {
       value_term = false;
       mass_forcing = false;
     }
   };
-  AdaKVDefensive() : AdaKVDefensive(Params{}) {}
-  explicit AdaKVDefensive(const Params& p) : Policy<AdaKV, DefensiveSelector>(p) {}
+  explicit AdaKVDefensive(const Params& p = Params{}) : Policy(p, type_name) {}
 };
 
 }  // namespace kvevict

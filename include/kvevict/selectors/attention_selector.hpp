@@ -13,6 +13,7 @@ namespace kvevict {
 /// Scores prefix token j of KV head h by s[h][j] (ALGORITHMS.md 2.3, mean); the window ranks above every prefix
 /// token; each head keeps its top budgets[h].
 struct AttentionSelector {
+  static constexpr const char* type_name = "AttentionSelector";
   struct Params {
     void validate(const char* /*where*/) const {}
   };
@@ -23,16 +24,18 @@ struct AttentionSelector {
 
   AttentionSelector() = default;
   explicit AttentionSelector(const Params&) {}
+  bool reads_values() const { return false; }
 
-  void adjust_budget(LayerBudget& /*budget*/, const LayerShape& /*shape*/, const CommonParams& /*common*/) const {}
+  void adjust_budget(LayerBudget& /*budget*/, const LayerShape& /*shape*/, const CommonParams& /*common*/,
+                     const char* /*where*/) const {}
 
-  template <class S, class T>
-  Layer<S> score(const LayerInputs<T>& in, const LayerShape& shape, const CommonParams& common,
-                 const LayerBudget& /*budget*/) const {
-    const WindowObservation<S, T> obs(in, shape);
+  template <class S, class In>
+  Layer<S> score(const In& in, const LayerShape& shape, const CommonParams& common, const LayerBudget& /*budget*/,
+                 const char* where) const {
+    const auto obs = observe<S>(in, shape, where);
     Layer<S> layer{scores_with_window(mean_scores(obs, common.kernel, common.pooling), shape.window,
                                       common.reference_quirks)};
-    layer.allocation.require_finite("select");
+    layer.allocation.require_finite(where);
     return layer;
   }
 

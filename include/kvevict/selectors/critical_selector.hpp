@@ -19,6 +19,7 @@ namespace kvevict {
 /// Under reference_quirks the window does not rank first in stage 2: it competes with
 /// s' = (layer max of s + eps) * N, as the reference's padded scores do.
 struct CriticalSelector {
+  static constexpr const char* type_name = "CriticalSelector";
   struct Params {
     double eps = 1e-4;                   ///< added to s before weighting by the value norm
     double first_stage_ratio = 0.5;      ///< fraction of each head's budget chosen by attention alone
@@ -38,17 +39,19 @@ struct CriticalSelector {
   CriticalSelector() = default;
   explicit CriticalSelector(const Params& p) : params_(p) {}
   const Params& params() const { return params_; }
+  bool reads_values() const { return true; }
 
-  void adjust_budget(LayerBudget& /*budget*/, const LayerShape& /*shape*/, const CommonParams& /*common*/) const {}
+  void adjust_budget(LayerBudget& /*budget*/, const LayerShape& /*shape*/, const CommonParams& /*common*/,
+                     const char* /*where*/) const {}
 
-  template <class S, class T>
-  Layer<S> score(const LayerInputs<T>& in, const LayerShape& shape, const CommonParams& common,
-                 const LayerBudget& /*budget*/) const {
-    detail::validate_value_inputs(in, shape, params_.value_norm, "select");
-    const WindowObservation<S, T> obs(in, shape);
+  template <class S, class In>
+  Layer<S> score(const In& in, const LayerShape& shape, const CommonParams& common, const LayerBudget& /*budget*/,
+                 const char* where) const {
+    detail::validate_value_inputs(in, shape, params_.value_norm, where);
+    const auto obs = observe<S>(in, shape, where);
     const RowMatrix<S> s = mean_scores(obs, common.kernel, common.pooling);
     Layer<S> layer{scores_with_window(s, shape.window, common.reference_quirks), ScoreMap<S>(shape.kv_heads, shape.tokens)};
-    layer.allocation.require_finite("select");
+    layer.allocation.require_finite(where);
 
     OutputGram<S> scratch;
     const OutputGram<S>* gram =
@@ -65,7 +68,7 @@ struct CriticalSelector {
           layer.critical.promote(h, j, Tier::window);
       }
     }
-    layer.critical.require_finite("select");
+    layer.critical.require_finite(where);
     return layer;
   }
 

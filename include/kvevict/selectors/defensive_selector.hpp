@@ -15,14 +15,14 @@
 namespace kvevict {
 
 /// Scores s'[h][j] = M[h][j] * Nn[h][j] with M the defensive aggregation (2.3) and Nn[h][j] = N[h][j] / sum over
-/// KV heads of N[.][j] (2.4, no eps). Each head's mass-forced tokens (2.6) and the window carry the layer maximum
-/// of s' before the top-k (exact ties go to the more recent token). Corrected (default): forcing is capped at
-/// n_kept - w, and in a layer-global allocation forced and window tokens outrank every scored entry (+infinity).
-/// Under reference_quirks the window bias is the reference's, the cap is int(P (1 - cr) - w) (negative: all but the
-/// last |cap|), the flat totals are int(L (1 - cr) Hkv) per layer, and in a layer-global allocation forced and
-/// window tokens keep only their layer's maximum.
+/// KV heads of N[.][j] (2.4, no eps), then one top-k over the layer (or the model). Corrected (default): each head's
+/// mass-forced tokens (2.6, at most n_kept - w) and the window are kept strictly first, in tiers above every score
+/// (+infinity in a layer-global top-k). Under reference_quirks they carry the layer maximum of s' and compete by
+/// score (exact ties go to the more recent token), the window bias is the reference's, the cap is
+/// int(P (1 - cr) - w) (negative: all but the last |cap|) and the flat totals are int(L (1 - cr) Hkv) per layer.
 /// `value_term = false` and `mass_forcing = false` give the paper's ablation (the defensive aggregation alone).
 struct DefensiveSelector {
+  static constexpr const char* type_name = "DefensiveSelector";
   struct Params {
     double mass_threshold = 0.9;           ///< tau before the window bias is subtracted
     ValueNorm value_norm = ValueNorm::l1;  ///< norm of the value term
@@ -42,19 +42,21 @@ struct DefensiveSelector {
   DefensiveSelector() = default;
   explicit DefensiveSelector(const Params& p) : params_(p) {}
   const Params& params() const { return params_; }
+  bool reads_values() const { return params_.value_term; }
 
   /// Under reference_quirks the flat totals are int(L * (1 - cr) * Hkv) (ALGORITHMS.md section 1).
-  void adjust_budget(LayerBudget& budget, const LayerShape& shape, const CommonParams& common) const {
+  void adjust_budget(LayerBudget& budget, const LayerShape& shape, const CommonParams& common,
+                     const char* where) const {
     if (!common.reference_quirks) return;
-    const double cr = detail::quirk_compression_ratio(budget, "select");
+    const double cr = detail::quirk_compression_ratio(budget, where);
     budget.total = static_cast<Index>(static_cast<double>(shape.tokens) * (1.0 - cr) * static_cast<double>(shape.kv_heads));
   }
 
-  template <class S, class T>
-  Layer<S> score(const LayerInputs<T>& in, const LayerShape& shape, const CommonParams& common,
-                 const LayerBudget& budget) const {
-    if (params_.value_term) detail::validate_value_inputs(in, shape, params_.value_norm, "select");
-    const WindowObservation<S, T> obs(in, shape);
+  template <class S, class In>
+  Layer<S> score(const In& in, const LayerShape& shape, const CommonParams& common, const LayerBudget& budget,
+                 const char* where) const {
+    if (params_.value_term) detail::validate_value_inputs(in, shape, params_.value_norm, where);
+    const auto obs = observe<S>(in, shape, where);
     DefensiveAggregator<S> aggregation(shape, common.kernel, common.pooling, params_.floor);
     MassStatistics<S> mass(shape, common.reference_quirks);
     obs.for_each_head([&](Index q, const RowMatrix<S>& rows) {
@@ -74,24 +76,25 @@ struct DefensiveSelector {
     }
 
     Layer<S> layer{ScoreMap<S>::with_window(scores, shape.window)};
-    layer.allocation.require_finite("select");
+    layer.allocation.require_finite(where);
     std::vector<std::vector<Index>> forced(static_cast<std::size_t>(shape.kv_heads));
     if (params_.mass_forcing) {
       const double tau = params_.mass_threshold - mass.window_bias();
       const Index cap = common.reference_quirks
                             ? static_cast<Index>(static_cast<double>(shape.prefix) *
-                                                     (1.0 - detail::quirk_compression_ratio(budget, "select")) -
+                                                     (1.0 - detail::quirk_compression_ratio(budget, where)) -
                                                  static_cast<double>(shape.window))
                             : std::max<Index>(0, static_cast<Index>(budget.n_kept) - shape.window);
       for (Index h = 0; h < shape.kv_heads; ++h) forced[static_cast<std::size_t>(h)] = mass.forced_tokens(h, tau, cap);
     }
-    if (budget.shared_across_layers && !common.reference_quirks) {
-      // Layer-global, corrected: forced and window tokens outrank every scored entry of every layer (+infinity).
+    if (!common.reference_quirks) {
+      // Corrected (per layer and layer-global alike): forced and window tokens form tiers above every scored entry
+      // (+infinity in a layer-global top-k), so a prefix token that ties the layer maximum never displaces them.
       for (Index h = 0; h < shape.kv_heads; ++h)
         for (Index j : forced[static_cast<std::size_t>(h)]) layer.allocation.promote(h, j, Tier::forced);
     } else {
-      // 2.6 as written: forced tokens and the window carry the layer maximum of s', then one top-k in the 2.7 order
-      // (so a scored token that ties the maximum and is more recent can displace a forced one when they all tie).
+      // Reference: forced tokens and the window carry the layer maximum of s', then one top-k in the section 2.7
+      // order (a scored token that ties the maximum and is more recent displaces a forced one when they all tie).
       const S layer_max = scores.size() > 0 ? scores.maxCoeff() : S(0);
       for (Index h = 0; h < shape.kv_heads; ++h) {
         for (Index j : forced[static_cast<std::size_t>(h)]) layer.allocation.at(h, j) = layer_max;

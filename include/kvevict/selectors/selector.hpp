@@ -2,16 +2,19 @@
 /// The Selector extension point: how a policy scores a layer and picks each head's tokens once the base
 /// allocation has fixed the per-head budgets. CriticalKV and DefensiveKV plug in here; allocators never change.
 ///
-/// A Selector type provides
+/// A Selector type provides (checked at compile time by Policy and LayerGlobalPolicy: policy/contracts.hpp)
+///   static constexpr const char* type_name = "...";                   // optional, for messages
 ///   struct Params { ...; void validate(const char* where) const; };
 ///   explicit Selector(const Params&);
+///   bool reads_values() const;  // whether score() reads LayerInputs::values and w_o
 ///   template <class S> struct Layer { ScoreMap<S> allocation; ... };  // state between the two phases
-///   void adjust_budget(LayerBudget&, const LayerShape&, const CommonParams&) const;
+///   void adjust_budget(LayerBudget&, const LayerShape&, const CommonParams&, const char* where) const;
 ///       may change the layer total (reference quirks of the flat top-k totals)
-///   template <class S, class T>
-///   Layer<S> score(const LayerInputs<T>&, const LayerShape&, const CommonParams&, const LayerBudget&) const;
-///       scoring phase: observation, aggregation, value term, forcing; fills `allocation`, the ranking the base
-///       allocation uses (the allocator may promote entries of it, e.g. AdaKV's safeguard)
+///   template <class S, class In>
+///   Layer<S> score(const In& in, const LayerShape&, const CommonParams&, const LayerBudget&, const char* where) const;
+///       scoring phase over LayerInputs<KV, Q, W> `in`: observation, aggregation, value term, forcing; fills
+///       `allocation`, the ranking the base allocation uses (the allocator may promote entries of it, e.g. AdaKV's
+///       safeguard). Errors go through detail::require(ok, where, ...) so that they name the policy.
 ///   template <class S>
 ///   void select(const Layer<S>&, const std::vector<Index>& budgets, KeepFlags& keep) const;
 ///       selection phase: flags exactly budgets[h] tokens of every KV head h in keep [kv_heads, tokens]

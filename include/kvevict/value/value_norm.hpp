@@ -85,8 +85,8 @@ void accumulate_l1_norms(const VMat& v, const WMat& w, S* out, RowMatrix<S>& pro
 
 /// N [Hkv, L]: N[h][j] = mean over the G query heads q of group h of || V[h][j, :] (W_o^q)^T ||_p.
 /// `gram` is used (and required) for ValueNorm::l2; it may be null for l1.
-template <class S, class T>
-RowMatrix<S> value_norms(const KVView<const T>& values, const HeadsView<const T>& w_o, Index group, ValueNorm norm,
+template <class S, class KV, class W>
+RowMatrix<S> value_norms(const KVView<const KV>& values, const HeadsView<const W>& w_o, Index group, ValueNorm norm,
                          const OutputGram<S>* gram = nullptr) {
   const Index Hkv = values.heads(), L = values.rows(), d = values.cols();
   RowMatrix<S> n = RowMatrix<S>::Zero(Hkv, L);
@@ -100,7 +100,7 @@ RowMatrix<S> value_norms(const KVView<const T>& values, const HeadsView<const T>
     v = values.head(h).template cast<S>();
     if (norm == ValueNorm::l1) {
       for (Index g = 0; g < group; ++g) {
-        if constexpr (std::is_same_v<std::remove_const_t<T>, S>) {
+        if constexpr (std::is_same_v<std::remove_const_t<W>, S>) {
           detail::accumulate_l1_norms<S>(v, w_o.head(h * group + g), n.row(h).data(), scratch.projected);
         } else {
           scratch.w = w_o.head(h * group + g).template cast<S>();
@@ -138,8 +138,8 @@ namespace detail {
 /// W_o [H, D, d] (as output_projection() views W_o [D, H * d]). A NaN must not vanish: the DefensiveKV value term
 /// would turn it into a zero weight, an L2 norm's clamp at 0 could swallow it, and a window token's norm is not
 /// always read. O(size of values and W_o), once.
-template <class T>
-void validate_value_inputs(const LayerInputs<T>& in, const LayerShape& s, ValueNorm norm, const char* where) {
+template <class KV, class Q, class W>
+void validate_value_inputs(const LayerInputs<KV, Q, W>& in, const LayerShape& s, ValueNorm norm, const char* where) {
   require(in.values.heads() * in.values.rows() * in.values.cols() > 0, where,
           "this policy needs values [kv_heads, tokens, head_dim] (LayerInputs::values)");
   require(in.w_o.heads() * in.w_o.rows() * in.w_o.cols() > 0, where,
@@ -165,10 +165,10 @@ void validate_value_inputs(const LayerInputs<T>& in, const LayerShape& s, ValueN
 
 /// The Gram matrices the L2 value term reads, in S: the engine's precomputed in.w_o_gram (widened or narrowed to S
 /// if its scalar differs) or, without one, computed from W_o into `scratch`.
-template <class S, class T>
-const OutputGram<S>& output_gram(const LayerInputs<T>& in, OutputGram<S>& scratch) {
+template <class S, class KV, class Q, class W>
+const OutputGram<S>& output_gram(const LayerInputs<KV, Q, W>& in, OutputGram<S>& scratch) {
   if (in.w_o_gram) {
-    if constexpr (std::is_same_v<gram_scalar_t<T>, S>) {
+    if constexpr (std::is_same_v<gram_scalar_t<W>, S>) {
       return *in.w_o_gram;
     } else {
       scratch = in.w_o_gram->template cast<S>();

@@ -1,0 +1,226 @@
+#pragma once
+/// The policy catalogue: every named policy once (name -> preset, what its budget guarantees, which knobs apply),
+/// and the bases and selectors that compose. kvevict-select, kvevict-demo, the benchmarks and the tests all read
+/// it, so a new policy is one line in entries() below.
+///
+///   kvevict::catalogue::visit("defensivekv", [&](const auto& entry) {
+///     const auto policy = entry.make(knobs);            // a kvevict::DefensiveKV with the knobs applied
+///     auto kept = kvevict::select_layers(policy, layers, budget);
+///   });
+
+#include <algorithm>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "kvevict/allocation/head_adaptive.hpp"
+#include "kvevict/allocation/streaming.hpp"
+#include "kvevict/policy/contracts.hpp"
+#include "kvevict/policy/presets.hpp"
+#include "kvevict/selectors/critical_selector.hpp"
+#include "kvevict/selectors/defensive_selector.hpp"
+
+namespace kvevict {
+
+/// Every tunable parameter of the presets, each optional: an unset knob keeps the preset's default. The names are
+/// those of the Params fields (and of kvevict-select's options, with '-' for '_').
+struct Knobs {
+  std::optional<Index> window, kernel;
+  std::optional<Pooling> pooling;
+  std::optional<bool> reference_quirks;
+  std::optional<double> alpha;                               // HeadAdaptiveAllocation
+  std::optional<HeadAdaptiveAllocation::Variant> adakv_variant;  // HeadAdaptiveAllocation::Params::variant
+  std::optional<Index> sinks;                                // StreamingLLM
+  std::optional<double> eps, first_stage_ratio;              // CriticalSelector
+  std::optional<ValueNorm> value_norm;                       // CriticalSelector, DefensiveSelector
+  std::optional<double> mass_threshold;                      // DefensiveSelector
+  std::optional<bool> floor, value_term, mass_forcing;       // DefensiveSelector
+};
+
+namespace detail {
+/// Calls f(name, knob, member pointer) for every knob that Params has.
+template <class Params, class K, class F>
+void for_each_knob(K& k, F&& f) {
+  if constexpr (std::is_base_of_v<CommonParams, Params>) {
+    f("window", k.window, &CommonParams::window);
+    f("pooling", k.pooling, &CommonParams::pooling);
+    f("kernel", k.kernel, &CommonParams::kernel);
+    f("reference_quirks", k.reference_quirks, &CommonParams::reference_quirks);
+  }
+  if constexpr (std::is_base_of_v<HeadAdaptiveAllocation::Params, Params>) {
+    f("alpha", k.alpha, &HeadAdaptiveAllocation::Params::alpha);
+    f("adakv_variant", k.adakv_variant, &HeadAdaptiveAllocation::Params::variant);
+  }
+  if constexpr (std::is_base_of_v<StreamingLLM::Params, Params>) f("sinks", k.sinks, &StreamingLLM::Params::sinks);
+  if constexpr (std::is_base_of_v<CriticalSelector::Params, Params>) {
+    f("eps", k.eps, &CriticalSelector::Params::eps);
+    f("first_stage_ratio", k.first_stage_ratio, &CriticalSelector::Params::first_stage_ratio);
+    f("value_norm", k.value_norm, &CriticalSelector::Params::value_norm);
+  }
+  if constexpr (std::is_base_of_v<DefensiveSelector::Params, Params>) {
+    f("mass_threshold", k.mass_threshold, &DefensiveSelector::Params::mass_threshold);
+    f("value_norm", k.value_norm, &DefensiveSelector::Params::value_norm);
+    f("floor", k.floor, &DefensiveSelector::Params::floor);
+    f("value_term", k.value_term, &DefensiveSelector::Params::value_term);
+    f("mass_forcing", k.mass_forcing, &DefensiveSelector::Params::mass_forcing);
+  }
+}
+}  // namespace detail
+
+/// Copies the knobs that are set into `p`, for the fields Params has (the others are ignored: see knob_names()).
+template <class Params>
+void apply_knobs(const Knobs& k, Params& p) {
+  detail::for_each_knob<Params>(k, [&](const char*, const auto& knob, auto member) {
+    if (knob) p.*member = *knob;
+  });
+}
+
+/// The knobs a policy's Params has, in Knobs order.
+template <class Params>
+std::vector<std::string> knob_names() {
+  std::vector<std::string> names;
+  const Knobs none;
+  detail::for_each_knob<Params>(none, [&](const char* name, const auto&, auto) {
+    if (std::find(names.begin(), names.end(), name) == names.end()) names.emplace_back(name);
+  });
+  return names;
+}
+
+/// What a policy's budget guarantees exactly: each KV head keeps n_kept (head), each layer Hkv * n_kept (layer),
+/// or the model NL * Hkv * n_kept (model).
+enum class BudgetScope { head, layer, model };
+
+template <class P>
+constexpr BudgetScope budget_scope() {
+  if constexpr (detail::is_layer_global<P>::value)
+    return BudgetScope::model;
+  else if constexpr (detail::is_layer_policy<P>::value)
+    return std::is_same_v<typename P::Allocation, UniformAllocation> ? BudgetScope::head : BudgetScope::layer;
+  else
+    return BudgetScope::head;  // StreamingLLM
+}
+
+/// One Selection per layer with any policy: per-layer policies select each layer, layer-global ones plan over all
+/// of them (one budget across layers). Errors name the layer.
+template <class S = float, class P, class KV, class Q, class W>
+std::vector<Selection> select_layers(const P& policy, const std::vector<LayerInputs<KV, Q, W>>& layers,
+                                     const Budget& budget) {
+  if constexpr (detail::is_layer_global<P>::value) {
+    return policy.template select<S>(layers, budget);
+  } else {
+    std::vector<Selection> out;
+    out.reserve(layers.size());
+    for (std::size_t l = 0; l < layers.size(); ++l)
+      out.push_back(policy.template select<S>(layers[l], budget, static_cast<Index>(l)));
+    return out;
+  }
+}
+
+namespace catalogue {
+
+/// A catalogue entry: the preset type P under a name, with a one-line summary.
+template <class P>
+struct Entry {
+  using policy_type = P;
+  std::string_view name;
+  std::string_view summary;
+
+  static constexpr BudgetScope scope = budget_scope<P>();
+  static constexpr bool layer_global = detail::is_layer_global<P>::value;
+  /// The preset with `knobs` applied over its defaults (validated: throws kvevict::invalid_argument).
+  P make(const Knobs& knobs = {}) const {
+    typename P::Params p;
+    apply_knobs(knobs, p);
+    return P(p);
+  }
+  /// The knobs that apply to it.
+  static std::vector<std::string> knobs() { return knob_names<typename P::Params>(); }
+};
+
+/// The named policies, in the order reports list them. Adding a policy: one line here.
+inline auto entries() {
+  return std::make_tuple(
+      Entry<StreamingLLM>{"streamingllm", "4 attention sinks + the most recent tokens (arXiv 2309.17453)"},
+      Entry<SnapKV>{"snapkv", "mean window attention, pooled; uniform per head (arXiv 2404.14469)"},
+      Entry<AdaKV>{"adakv", "SnapKV scores, head-adaptive budgets with a safeguard (arXiv 2407.11550)"},
+      Entry<CriticalKV>{"criticalkv", "AdaKV + two stages weighted by ||V W_o^T|| (arXiv 2502.03805)"},
+      Entry<CriticalSnapKV>{"criticalkv-snapkv", "CriticalKV's selector on SnapKV's uniform allocation"},
+      Entry<DefensiveKV>{"defensivekv", "worst-case aggregation, value term, mass forcing (arXiv 2510.13334)"},
+      Entry<LayerDefensiveKV>{"layer-defensivekv", "DefensiveKV with one budget across layers (arXiv 2510.13334)"},
+      Entry<AdaKVDefensive>{"adakv-defensive", "AdaKV with the defensive aggregation alone (ablation)"});
+}
+
+/// The bases of a composition Policy<Base, Selector> (their allocation and its defaults) and the selectors.
+inline auto bases() {
+  return std::make_tuple(Entry<SnapKV>{"snapkv", "uniform allocation"},
+                         Entry<AdaKV>{"adakv", "head-adaptive allocation, safeguard alpha = 0.2"},
+                         Entry<DefensiveKV>{"defensivekv", "flat top-k over the layer (alpha = 0)"},
+                         Entry<LayerDefensiveKV>{"layer", "one top-k across layers"});
+}
+template <class S>
+struct SelectorEntry {
+  using selector_type = S;
+  std::string_view name;
+};
+inline auto selectors() {
+  return std::make_tuple(SelectorEntry<AttentionSelector>{"attention"}, SelectorEntry<CriticalSelector>{"critical"},
+                         SelectorEntry<DefensiveSelector>{"defensive"});
+}
+
+/// Calls f(entry) for every element of a tuple of entries, in order.
+template <class Tuple, class F>
+void for_each(const Tuple& list, F&& f) {
+  std::apply([&](const auto&... e) { (f(e), ...); }, list);
+}
+
+/// Names of a tuple of entries, comma-separated (for messages and --help).
+template <class Tuple>
+std::string names(const Tuple& list) {
+  std::string out;
+  for_each(list, [&](const auto& e) { out += (out.empty() ? "" : ", ") + std::string(e.name); });
+  return out;
+}
+
+/// True when an entry of `list` has that name.
+template <class Tuple>
+bool contains(const Tuple& list, std::string_view name) {
+  bool found = false;
+  for_each(list, [&](const auto& e) { found = found || e.name == name; });
+  return found;
+}
+
+/// Calls f(entry) for the named policy; false when no entry has that name.
+template <class F>
+bool visit(std::string_view name, F&& f) {
+  bool found = false;
+  for_each(entries(), [&](const auto& e) {
+    if (!found && e.name == name) {
+      found = true;
+      f(e);
+    }
+  });
+  return found;
+}
+
+/// Calls f(entry) for Policy<base, selector>, named "<base>+<selector>"; false when either name is unknown.
+template <class F>
+bool compose(std::string_view base, std::string_view selector, F&& f) {
+  bool found = false;
+  for_each(bases(), [&](const auto& b) {
+    for_each(selectors(), [&](const auto& s) {
+      if (found || b.name != base || s.name != selector) return;
+      found = true;
+      using Base = typename std::decay_t<decltype(b)>::policy_type;
+      using Sel = typename std::decay_t<decltype(s)>::selector_type;
+      const std::string name = std::string(base) + "+" + std::string(selector);
+      f(Entry<Policy<Base, Sel>>{name, "composition"});
+    });
+  });
+  return found;
+}
+
+}  // namespace catalogue
+}  // namespace kvevict

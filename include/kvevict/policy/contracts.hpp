@@ -1,0 +1,107 @@
+#pragma once
+/// The compile-time contracts of the extension points (docs/extending.md): what an Allocation and a Selector must
+/// provide, and what may serve as the Base of Policy<Base, Selector>. Policy and LayerGlobalPolicy check them with a
+/// static_assert that names what is expected.
+
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "kvevict/allocation/layer_budget.hpp"
+#include "kvevict/core/inputs.hpp"
+#include "kvevict/ranking/score_map.hpp"
+#include "kvevict/ranking/topk.hpp"
+#include "kvevict/selectors/selector.hpp"
+
+namespace kvevict {
+
+template <class Selector>
+class LayerGlobalPolicy;
+
+namespace detail {
+
+/// T::type_name when T declares one (presets, allocations, selectors), for messages.
+template <class T, class = void>
+struct has_type_name : std::false_type {};
+template <class T>
+struct has_type_name<T, std::void_t<decltype(T::type_name)>> : std::true_type {};
+template <class T>
+std::string name_of() {
+  if constexpr (has_type_name<T>::value)
+    return T::type_name;
+  else
+    return "(unnamed)";
+}
+
+/// An Allocation: `struct Params { void validate(const char*) const; }`, constructible from its Params, and
+///   template <class S> std::vector<Index> allocate(ScoreMap<S>& ranking, const LayerBudget&) const;
+/// returning the per-KV-head budgets (it may promote entries of the ranking, e.g. a safeguard).
+template <class T, class = void>
+struct is_allocation : std::false_type {};
+template <class T>
+struct is_allocation<T, std::void_t<typename T::Params,
+                                    decltype(std::declval<const typename T::Params&>().validate("")),
+                                    decltype(std::declval<const T&>().allocate(std::declval<ScoreMap<float>&>(),
+                                                                               std::declval<const LayerBudget&>()))>>
+    : std::bool_constant<std::is_constructible_v<T, const typename T::Params&> &&
+                         std::is_same_v<decltype(std::declval<const T&>().allocate(
+                                            std::declval<ScoreMap<float>&>(), std::declval<const LayerBudget&>())),
+                                        std::vector<Index>>> {};
+
+/// A Selector (selectors/selector.hpp documents each member).
+template <class T, class = void>
+struct is_selector : std::false_type {};
+template <class T>
+struct is_selector<
+    T, std::void_t<typename T::Params, decltype(std::declval<const typename T::Params&>().validate("")),
+                   typename T::template Layer<float>, decltype(bool{std::declval<const T&>().reads_values()}),
+                   decltype(std::declval<const T&>().adjust_budget(std::declval<LayerBudget&>(),
+                                                                   std::declval<const LayerShape&>(),
+                                                                   std::declval<const CommonParams&>(), "")),
+                   decltype(std::declval<const T&>().template score<float>(
+                       std::declval<const LayerInputs<float>&>(), std::declval<const LayerShape&>(),
+                       std::declval<const CommonParams&>(), std::declval<const LayerBudget&>(), "")),
+                   decltype(std::declval<const T&>().select(std::declval<const typename T::template Layer<float>&>(),
+                                                            std::declval<const std::vector<Index>&>(),
+                                                            std::declval<KeepFlags&>()))>>
+    : std::bool_constant<std::is_constructible_v<T, const typename T::Params&>> {};
+
+/// A model-level preset (LayerGlobalPolicy<S> or a class derived from one, such as LayerDefensiveKV).
+template <class T, class = void>
+struct is_layer_global : std::false_type {};
+template <class T>
+struct is_layer_global<T, std::void_t<typename T::SelectorType>>
+    : std::is_base_of<LayerGlobalPolicy<typename T::SelectorType>, T> {};
+
+/// A per-layer scored policy (Policy<A, S> or a preset derived from one, such as SnapKV or DefensiveKV).
+template <class T, class = void>
+struct is_layer_policy : std::false_type {};
+template <class T>
+struct is_layer_policy<T, std::void_t<typename T::Allocation, typename T::SelectorType, typename T::Params>>
+    : std::bool_constant<!is_layer_global<T>::value> {};
+
+/// What Policy<Base, S> takes from Base: its allocation type and that allocation's default parameters (so that
+/// Policy<DefensiveKV, S> allocates as DefensiveKV does, with alpha = 0).
+template <class Base, class = void>
+struct base_traits {
+  static constexpr bool valid = false;
+};
+template <class Base>
+struct base_traits<Base, std::enable_if_t<is_allocation<Base>::value>> {
+  static constexpr bool valid = true;
+  using allocation = Base;
+  static typename Base::Params allocation_defaults() { return {}; }
+};
+template <class Base>
+struct base_traits<Base, std::enable_if_t<!is_allocation<Base>::value && is_layer_policy<Base>::value>> {
+  static constexpr bool valid = true;
+  using allocation = typename Base::Allocation;
+  static typename allocation::Params allocation_defaults() {
+    const typename Base::Params defaults;
+    return static_cast<const typename allocation::Params&>(defaults);
+  }
+};
+
+}  // namespace detail
+}  // namespace kvevict
