@@ -34,7 +34,7 @@
 #endif
 
 #include "heap_tracker.hpp"
-#include "kvevict/kvevict.hpp"
+#include "kvevict/extend.hpp"
 #include "naive.hpp"
 
 namespace {
@@ -213,7 +213,7 @@ void BM_ValueTerm(benchmark::State& state, const Model& m, kvevict::ValueNorm no
   for (auto _ : state) {
     total += seconds([&] {
       if (norm == kvevict::ValueNorm::l2) gram = kvevict::OutputGram<float>::compute(layer.in.w_o);
-      benchmark::DoNotOptimize(kvevict::value_norms<float>(layer.in.values, layer.in.w_o, G, norm, &gram).data());
+      benchmark::DoNotOptimize(kvevict::extend::value_norms<float>(layer.in.values, layer.in.w_o, G, norm, &gram).data());
     });
   }
   const double per_iter = total / static_cast<double>(state.iterations());
@@ -238,10 +238,10 @@ void BM_ValueTerm(benchmark::State& state, const Model& m, kvevict::ValueNorm no
 /// most of P: the worst case) or "peaked" (power-law over a random permutation, like real heads).
 void BM_MassForcing(benchmark::State& state, const Model& m, bool peaked) {
   const Index L = state.range(0), P = L - kWindow, G = m.H / m.Hkv;
-  const kvevict::LayerShape shape{m.H, m.Hkv, G, L, kWindow, P, m.d};
+  const kvevict::extend::LayerShape shape{m.H, m.Hkv, G, L, kWindow, P, m.d};
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> u(0.f, 1.f);
-  kvevict::MassStatistics<float> mass(shape, false);
+  kvevict::extend::MassStatistics<float> mass(shape, false);
   kvevict::RowMatrix<float> rows(kWindow, L);
   std::vector<Index> perm(static_cast<std::size_t>(L));
   std::iota(perm.begin(), perm.end(), Index{0});

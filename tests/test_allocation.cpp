@@ -2,7 +2,7 @@
 // checked index for index against the reference's snapkv / adakv / adakv_original.
 #include <catch2/catch.hpp>
 
-#include <kvevict/kvevict.hpp>
+#include <kvevict/extend.hpp>
 
 #include <cmath>
 #include <cstdint>
@@ -15,10 +15,10 @@
 
 using kvevict::HeadAdaptiveAllocation;
 using kvevict::Index;
-using kvevict::KeepFlags;
-using kvevict::LayerBudget;
-using kvevict::ScoreMap;
-using kvevict::Tier;
+using kvevict::extend::KeepFlags;
+using kvevict::extend::LayerBudget;
+using kvevict::extend::ScoreMap;
+using kvevict::extend::Tier;
 using kvevict_test::Kept;
 using kvevict_test::MessageContains;
 using kvevict_test::Rng;
@@ -49,7 +49,7 @@ Kept run(const Allocation& a, const Case& c, std::int64_t n_kept, std::vector<In
   const std::vector<Index> budgets = a.allocate(m, layer_budget(c, n_kept));
   REQUIRE(budgets.size() == sz(c.Hkv));
   KeepFlags keep;
-  kvevict::select_top_per_head(m, budgets, keep);
+  kvevict::extend::select_top_per_head(m, budgets, keep);
   const kvevict::Selection sel = kvevict::Selection::from_flags(keep, c.Hkv, c.L);
   REQUIRE(kvevict_test::structure_errors(sel, c.Hkv, c.L) == "");
   for (Index h = 0; h < c.Hkv; ++h) REQUIRE(sel.length(h) == budgets[sz(h)]);
@@ -166,7 +166,7 @@ TEST_CASE("kvpress safeguard: exactly n_safe = int(n_kept * alpha) entries per h
       for (Index j = 0; j < c.L; ++j) forced += m.tier_of(h, j) == Tier::forced ? 1 : 0;
       CHECK(forced == t.n_safe);
       KeepFlags top(m.score.size(), 0);
-      kvevict::top_k_of_head(fresh, h, t.n_safe, top);
+      kvevict::extend::top_k_of_head(fresh, h, t.n_safe, top);
       for (Index j = 0; j < c.L; ++j)
         if (top[fresh.flat(h, j)]) CHECK(m.tier_of(h, j) == Tier::forced);
       CHECK(budgets[sz(h)] >= t.n_safe);

@@ -2,7 +2,7 @@
 // against hand-worked numbers and the float64 reference, and its structural properties.
 #include <catch2/catch.hpp>
 
-#include <kvevict/kvevict.hpp>
+#include <kvevict/extend.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -63,7 +63,7 @@ const Shape kShape{4, 2, 4, 12, 1};
 /// M through DefensiveAggregator fed one query head at a time, as RowMatrix rows [w, L].
 std::vector<double> aggregate(const std::vector<double>& attn, const Shape& s, Index kernel, Pooling pooling,
                               bool floor) {
-  kvevict::DefensiveAggregator<double> agg(kvevict_test::layer_shape(s), kernel, pooling, floor);
+  kvevict::extend::DefensiveAggregator<double> agg(kvevict_test::layer_shape(s), kernel, pooling, floor);
   kvevict_test::for_each_head_rows<double>(attn, s, [&](int q, const RowMatrix<double>& rows) { agg.add(q, rows); });
   const RowMatrix<double> m = agg.finish();
   REQUIRE(m.rows() == s.Hkv);
@@ -78,9 +78,9 @@ std::vector<double> aggregate(const std::vector<double>& attn, const Shape& s, I
 template <class S, class T>
 std::vector<double> defensive_of(const kvevict::LayerInputs<T>& in, Index window, Index kernel, Pooling pooling,
                                  bool floor) {
-  const kvevict::LayerShape shape = kvevict::detail::validate_inputs(in, window, "test");
-  const kvevict::WindowObservation<S, T> obs(in, shape);
-  const RowMatrix<S> m = kvevict::defensive_scores(obs, kernel, pooling, floor);
+  const kvevict::extend::LayerShape shape = kvevict::detail::validate_inputs(in, window, "test");
+  const kvevict::extend::WindowObservation<S, T> obs(in, shape);
+  const RowMatrix<S> m = kvevict::extend::defensive_scores(obs, kernel, pooling, floor);
   std::vector<double> out;
   for (Index h = 0; h < m.rows(); ++h)
     for (Index j = 0; j < m.cols(); ++j) out.push_back(static_cast<double>(m(h, j)));

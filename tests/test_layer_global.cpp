@@ -3,7 +3,7 @@
 // against hand-worked selections and the float64 reference in both quirk modes; Plan (score, then apply); properties.
 #include <catch2/catch.hpp>
 
-#include <kvevict/kvevict.hpp>
+#include <kvevict/extend.hpp>
 
 #include <cstdint>
 #include <memory>
@@ -17,9 +17,9 @@
 using kvevict::Budget;
 using kvevict::Index;
 using kvevict::Pooling;
-using kvevict::ScoreMap;
+using kvevict::extend::ScoreMap;
 using kvevict::Selection;
-using kvevict::Tier;
+using kvevict::extend::Tier;
 using kvevict::ValueNorm;
 using kvevict_test::Forced;
 using kvevict_test::Kept;
@@ -43,7 +43,7 @@ ScoreMap<double> map_of(const std::vector<double>& scores, Index heads, Index to
 Budgets allocate(const std::vector<ScoreMap<double>>& maps, Index total) {
   std::vector<const ScoreMap<double>*> ptrs;
   for (const auto& m : maps) ptrs.push_back(&m);
-  return kvevict::allocate_layer_global(ptrs, total);
+  return kvevict::extend::allocate_layer_global(ptrs, total);
 }
 
 }  // namespace
@@ -338,7 +338,7 @@ TEST_CASE("Layer-DefensiveKV: model total, forced and window tokens kept, plan =
         REQUIRE(kvevict_test::structure_errors(x, s.Hkv, s.L) == "");
         CHECK(kvevict_test::mask_errors(x) == "");
         total += x.total();
-        kvevict::MassStatistics<float> mass(kvevict_test::layer_shape(s), false);
+        kvevict::extend::MassStatistics<float> mass(kvevict_test::layer_shape(s), false);
         kvevict_test::for_each_head_rows<float>(rows[sz(l)], s,
                                                 [&](int q, const kvevict::RowMatrix<float>& r) { mass.add(q, r); });
         for (Index h = 0; h < s.Hkv; ++h) {

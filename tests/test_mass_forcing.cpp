@@ -3,7 +3,7 @@
 // against hand-worked numbers and kvevict_ref::mass_forced.
 #include <catch2/catch.hpp>
 
-#include <kvevict/kvevict.hpp>
+#include <kvevict/extend.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -15,7 +15,7 @@
 #include "support/selector_inputs.hpp"
 
 using kvevict::Index;
-using kvevict::MassStatistics;
+using kvevict::extend::MassStatistics;
 using kvevict::RowMatrix;
 using kvevict_test::Forced;
 using kvevict_test::Rng;
@@ -312,7 +312,7 @@ TEST_CASE("mass forcing ranks lazily (stopping at the cap when tau is surely rea
     for (int kind = 0; kind < 4; ++kind) {
       // One KV head, one query head, w = 1: the mass row is the prefix of the single window row.
       const Index L = P + 1;
-      const kvevict::LayerShape shape{1, 1, 1, L, 1, P, 1};
+      const kvevict::extend::LayerShape shape{1, 1, 1, L, 1, P, 1};
       RowMatrix<float> rows(1, L);
       for (Index j = 0; j < P; ++j) {
         const double u = u01(rng);

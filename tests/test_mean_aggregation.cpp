@@ -1,7 +1,7 @@
 // aggregation/mean.hpp: stage 2.3 (mean over window rows, pool, mean over the GQA group) against the reference.
 #include <catch2/catch.hpp>
 
-#include <kvevict/kvevict.hpp>
+#include <kvevict/extend.hpp>
 
 #include <random>
 #include <vector>
@@ -21,9 +21,9 @@ kvevict_ref::Pool ref_pool(Pooling p) { return p == Pooling::avg ? kvevict_ref::
 
 template <class S, class T>
 std::vector<double> library_scores(const kvevict::LayerInputs<T>& in, Index w, Index kernel, Pooling p) {
-  const kvevict::LayerShape shape = kvevict::detail::validate_inputs(in, w, "test");
-  const kvevict::WindowObservation<S, T> obs(in, shape);
-  const kvevict::RowMatrix<S> m = kvevict::mean_scores(obs, kernel, p);
+  const kvevict::extend::LayerShape shape = kvevict::detail::validate_inputs(in, w, "test");
+  const kvevict::extend::WindowObservation<S, T> obs(in, shape);
+  const kvevict::RowMatrix<S> m = kvevict::extend::mean_scores(obs, kernel, p);
   REQUIRE(m.rows() == shape.kv_heads);
   REQUIRE(m.cols() == shape.prefix);
   std::vector<double> out(sz(m.size()));

@@ -1,7 +1,7 @@
 // aggregation/pooling.hpp: stage 2.2, 1-D pooling along tokens.
 #include <catch2/catch.hpp>
 
-#include <kvevict/kvevict.hpp>
+#include <kvevict/extend.hpp>
 
 #include <cstring>
 #include <vector>
@@ -18,7 +18,7 @@ namespace {
 template <class S>
 std::vector<S> pool(const std::vector<S>& x, Index kernel, Pooling p) {
   std::vector<S> out(x.size());
-  kvevict::pool1d(x.data(), static_cast<Index>(x.size()), kernel, p, out.data());
+  kvevict::extend::pool1d(x.data(), static_cast<Index>(x.size()), kernel, p, out.data());
   return out;
 }
 

@@ -1,7 +1,7 @@
 // ranking/score_map.hpp and ranking/topk.hpp: tiers and the deterministic top-k of ALGORITHMS.md 2.7.
 #include <catch2/catch.hpp>
 
-#include <kvevict/kvevict.hpp>
+#include <kvevict/extend.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -14,9 +14,9 @@
 #include "support/random_inputs.hpp"
 
 using kvevict::Index;
-using kvevict::KeepFlags;
-using kvevict::ScoreMap;
-using kvevict::Tier;
+using kvevict::extend::KeepFlags;
+using kvevict::extend::ScoreMap;
+using kvevict::extend::Tier;
 using kvevict_test::MessageContains;
 using kvevict_test::Rng;
 using kvevict_test::sz;
@@ -120,7 +120,7 @@ TEST_CASE("top_k_of_head matches a full sort in the 2.7 order, with many exact t
         if (k < 0) continue;
         INFO("heads=" << heads << " tokens=" << tokens << " levels=" << levels << " head=" << h << " k=" << k);
         KeepFlags keep(m.score.size(), 0);
-        kvevict::top_k_of_head(m, h, k, keep);
+        kvevict::extend::top_k_of_head(m, h, k, keep);
         std::vector<std::size_t> cand(sz(tokens));
         for (Index j = 0; j < tokens; ++j) cand[sz(j)] = m.flat(h, j);
         KeepFlags want(m.score.size(), 0);
@@ -148,11 +148,11 @@ TEST_CASE("top_k_counts matches a full sort of the flattened layer, with and wit
       INFO("heads=" << heads << " tokens=" << tokens << " levels=" << levels << " k=" << k);
       std::vector<Index> want(sz(heads), 0);
       for (std::size_t f : brute_top_k(m, all, sz(k))) ++want[f / sz(tokens)];
-      REQUIRE(kvevict::top_k_counts(m, k) == want);
+      REQUIRE(kvevict::extend::top_k_counts(m, k) == want);
       if (sz(k) <= scored.size()) {
         std::vector<Index> want_s(sz(heads), 0);
         for (std::size_t f : brute_top_k(m, scored, sz(k))) ++want_s[f / sz(tokens)];
-        REQUIRE(kvevict::top_k_counts(m, k, [&](std::size_t f) { return m.tier[f] == Tier::scored; }) == want_s);
+        REQUIRE(kvevict::extend::top_k_counts(m, k, [&](std::size_t f) { return m.tier[f] == Tier::scored; }) == want_s);
       }
     }
   }
@@ -161,21 +161,21 @@ TEST_CASE("top_k_counts matches a full sort of the flattened layer, with and wit
 TEST_CASE("tie rule: equal scores go to the more recent token, then to the lower KV head", "[topk]") {
   ScoreMap<double> m(3, 5);  // all scores equal (0)
   KeepFlags keep(m.score.size(), 0);
-  kvevict::top_k_of_head(m, 1, 2, keep);
+  kvevict::extend::top_k_of_head(m, 1, 2, keep);
   for (Index j = 0; j < 5; ++j) CHECK(keep[m.flat(1, j)] == (j >= 3 ? 1 : 0));
   // Flat: 3 heads x 5 tokens all tied; the top 4 are token 4 of heads 0, 1, 2, then token 3 of head 0.
-  CHECK(kvevict::top_k_counts(m, 4) == std::vector<Index>{2, 1, 1});
-  CHECK(kvevict::top_k_counts(m, 3) == std::vector<Index>{1, 1, 1});
-  CHECK(kvevict::top_k_counts(m, 1) == std::vector<Index>{1, 0, 0});
-  CHECK(kvevict::top_k_counts(m, 7) == std::vector<Index>{3, 2, 2});
+  CHECK(kvevict::extend::top_k_counts(m, 4) == std::vector<Index>{2, 1, 1});
+  CHECK(kvevict::extend::top_k_counts(m, 3) == std::vector<Index>{1, 1, 1});
+  CHECK(kvevict::extend::top_k_counts(m, 1) == std::vector<Index>{1, 0, 0});
+  CHECK(kvevict::extend::top_k_counts(m, 7) == std::vector<Index>{3, 2, 2});
   // A higher score beats recency; a higher tier beats any score.
   m.at(2, 0) = 1.0;
-  CHECK(kvevict::top_k_counts(m, 1) == std::vector<Index>{0, 0, 1});
+  CHECK(kvevict::extend::top_k_counts(m, 1) == std::vector<Index>{0, 0, 1});
   m.promote(1, 0, Tier::window);
-  CHECK(kvevict::top_k_counts(m, 1) == std::vector<Index>{0, 1, 0});
+  CHECK(kvevict::extend::top_k_counts(m, 1) == std::vector<Index>{0, 1, 0});
   m.promote(0, 1, Tier::forced);
-  CHECK(kvevict::top_k_counts(m, 1) == std::vector<Index>{1, 0, 0});
-  CHECK(kvevict::top_k_counts(m, 3) == std::vector<Index>{1, 1, 1});
+  CHECK(kvevict::extend::top_k_counts(m, 1) == std::vector<Index>{1, 0, 0});
+  CHECK(kvevict::extend::top_k_counts(m, 3) == std::vector<Index>{1, 1, 1});
 }
 
 TEST_CASE("within a tier promoted entries rank by recency only", "[topk]") {
@@ -183,10 +183,10 @@ TEST_CASE("within a tier promoted entries rank by recency only", "[topk]") {
   for (Index j = 0; j < 6; ++j) m.at(0, j) = static_cast<double>(10 - j);
   for (Index j : {0, 2, 4}) m.promote(0, j, Tier::window);
   KeepFlags keep(6, 0);
-  kvevict::top_k_of_head(m, 0, 2, keep);
+  kvevict::extend::top_k_of_head(m, 0, 2, keep);
   CHECK(keep == KeepFlags{0, 0, 1, 0, 1, 0});
   keep.assign(6, 0);
-  kvevict::top_k_of_head(m, 0, 4, keep);  // the window tier, then the best scored (token 1: 9)
+  kvevict::extend::top_k_of_head(m, 0, 4, keep);  // the window tier, then the best scored (token 1: 9)
   CHECK(keep == KeepFlags{1, 1, 1, 0, 1, 0});
 }
 
@@ -196,5 +196,5 @@ TEST_CASE("top-k in float scores behaves like double", "[topk]") {
   ScoreMap<double> md(4, 50);
   md.score = kvevict_test::quantised_scores(200, 3, rng);
   mf.score = kvevict_test::cast_to<float>(md.score);
-  for (Index k : {0, 1, 33, 100, 200}) CHECK(kvevict::top_k_counts(mf, k) == kvevict::top_k_counts(md, k));
+  for (Index k : {0, 1, 33, 100, 200}) CHECK(kvevict::extend::top_k_counts(mf, k) == kvevict::extend::top_k_counts(md, k));
 }

@@ -3,7 +3,7 @@
 // output_projection() and OutputGram; the L2 Gram path ranks and selects exactly as the direct L2 computation.
 #include <catch2/catch.hpp>
 
-#include <kvevict/kvevict.hpp>
+#include <kvevict/extend.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -33,7 +33,7 @@ template <class S, class T>
 std::vector<double> library_norms(const kvevict::KVView<const T>& values, const HeadsView<const T>& w_o, Index group,
                                   ValueNorm norm) {
   const OutputGram<S> gram = OutputGram<S>::compute(w_o);
-  const RowMatrix<S> n = kvevict::value_norms<S>(values, w_o, group, norm, norm == ValueNorm::l2 ? &gram : nullptr);
+  const RowMatrix<S> n = kvevict::extend::value_norms<S>(values, w_o, group, norm, norm == ValueNorm::l2 ? &gram : nullptr);
   std::vector<double> out;
   for (Index r = 0; r < n.rows(); ++r)
     for (Index c = 0; c < n.cols(); ++c) out.push_back(static_cast<double>(n(r, c)));

@@ -1,7 +1,7 @@
 // core/views.hpp and core/inputs.hpp: zero-copy strided views over both KV layouts.
 #include <catch2/catch.hpp>
 
-#include <kvevict/kvevict.hpp>
+#include <kvevict/extend.hpp>
 
 #include <cstdint>
 #include <limits>
@@ -163,7 +163,7 @@ TEST_CASE("validate_inputs derives the layer shape", "[inputs]") {
   kvevict_test::Rng rng(13);
   const kvevict_test::Shape s{8, 2, 4, 40, 16};
   const auto st = kvevict_test::store<double>(kvevict_test::random_layer(s, rng), kvevict_test::Layout::tokens_major);
-  const kvevict::LayerShape shape = kvevict::detail::validate_inputs(st.in, s.w, "select");
+  const kvevict::extend::LayerShape shape = kvevict::detail::validate_inputs(st.in, s.w, "select");
   CHECK(shape.query_heads == 8);
   CHECK(shape.kv_heads == 2);
   CHECK(shape.group == 4);

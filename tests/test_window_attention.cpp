@@ -1,7 +1,7 @@
 // observation/window_attention.hpp: stage 2.1 against the float64 reference.
 #include <catch2/catch.hpp>
 
-#include <kvevict/kvevict.hpp>
+#include <kvevict/extend.hpp>
 
 #include <cmath>
 #include <vector>
@@ -110,7 +110,7 @@ TEST_CASE("window row i sees exactly keys 0 .. P + i (causal mask inside the win
   const auto queries = kvevict::HeadsView<const double>::heads_major(q.data(), s.H, s.w, s.d);
   const auto keys = kvevict::kv_heads_major<const double>(k.data(), s.Hkv, s.L, s.d);
   kvevict::RowMatrix<double> rows;
-  kvevict::window_attention<double, double>(queries, keys, 1, 2, rows);
+  kvevict::extend::window_attention<double, double>(queries, keys, 1, 2, rows);
   REQUIRE(rows.rows() == s.w);
   REQUIRE(rows.cols() == s.L);
   for (Index i = 0; i < s.w; ++i)
@@ -126,7 +126,7 @@ TEST_CASE("window_attention divides the logits by sqrt(head_dim)", "[window_atte
   std::vector<double> q = {1, 1, 1, 1};
   std::vector<double> k = {1, 1, 1, 1, 0, 0, 0, 0};
   kvevict::RowMatrix<double> rows;
-  kvevict::window_attention<double, double>(kvevict::HeadsView<const double>::heads_major(q.data(), 1, w, d),
+  kvevict::extend::window_attention<double, double>(kvevict::HeadsView<const double>::heads_major(q.data(), 1, w, d),
                                             kvevict::kv_heads_major<const double>(k.data(), 1, L, d), 0, 1, rows);
   const double e2 = std::exp(2.0);
   CHECK(rows(0, 0) == Approx(e2 / (e2 + 1.0)).epsilon(1e-14));
@@ -143,8 +143,8 @@ TEST_CASE("GQA: query head q reads KV head q / G", "[window_attention]") {
     const auto kh = kvevict::kv_heads_major<const double>(st.k.data() + h * s.L * s.d, 1, s.L, s.d);
     for (int q = h * s.G(); q < (h + 1) * s.G(); ++q) {
       kvevict::RowMatrix<double> grouped, single;
-      kvevict::window_attention<double, double>(st.in.queries, st.in.keys, q, s.G(), grouped);
-      kvevict::window_attention<double, double>(st.in.queries, kh, q, s.H, single);  // group H: all read head 0
+      kvevict::extend::window_attention<double, double>(st.in.queries, st.in.keys, q, s.G(), grouped);
+      kvevict::extend::window_attention<double, double>(st.in.queries, kh, q, s.H, single);  // group H: all read head 0
       CHECK(grouped == single);
     }
   }
@@ -156,20 +156,20 @@ TEST_CASE("WindowObservation: queries route computes rows, attention route passe
     INFO(kvevict_test::describe(s));
     const kvevict_test::Layer l = kvevict_test::random_layer(s, rng);
     const auto st = kvevict_test::store<double>(l, Layout::tokens_major);
-    const kvevict::LayerShape shape = kvevict::detail::validate_inputs(st.in, s.w, "select");
-    const kvevict::WindowObservation<double, double> from_q(st.in, shape);
+    const kvevict::extend::LayerShape shape = kvevict::detail::validate_inputs(st.in, s.w, "select");
+    const kvevict::extend::WindowObservation<double, double> from_q(st.in, shape);
     CHECK(from_q.shape().query_heads == s.H);
     const std::vector<double> attn = kvevict_test::library_attention<double, double>(st.in.queries, st.in.keys);
     const auto in_a = kvevict_test::attention_inputs(attn, st.k, s);
     // attention_inputs views the keys heads-major; the keys storage here is tokens-major but only the shape is
     // read on the attention route.
-    const kvevict::LayerShape shape_a = kvevict::detail::validate_inputs(in_a, s.w, "select");
-    const kvevict::WindowObservation<double, double> from_a(in_a, shape_a);
+    const kvevict::extend::LayerShape shape_a = kvevict::detail::validate_inputs(in_a, s.w, "select");
+    const kvevict::extend::WindowObservation<double, double> from_a(in_a, shape_a);
     Index expected = 0;
     from_q.for_each_head([&](Index q, const kvevict::RowMatrix<double>& rows) {
       CHECK(q == expected++);
       kvevict::RowMatrix<double> direct, passed;
-      kvevict::window_attention<double, double>(st.in.queries, st.in.keys, q, s.G(), direct);
+      kvevict::extend::window_attention<double, double>(st.in.queries, st.in.keys, q, s.G(), direct);
       CHECK(rows == direct);
       from_a.head_rows(q, passed);
       CHECK(passed == direct);  // exact copy of the caller's rows
@@ -179,7 +179,7 @@ TEST_CASE("WindowObservation: queries route computes rows, attention route passe
     const std::vector<float> attn_f = kvevict_test::cast_to<float>(attn);
     const std::vector<float> keys_f = kvevict_test::cast_to<float>(st.k);
     const auto in_f = kvevict_test::attention_inputs(attn_f, keys_f, s);
-    const kvevict::WindowObservation<double, float> from_f(in_f, kvevict::detail::validate_inputs(in_f, s.w, "x"));
+    const kvevict::extend::WindowObservation<double, float> from_f(in_f, kvevict::detail::validate_inputs(in_f, s.w, "x"));
     kvevict::RowMatrix<double> rows_f;
     from_f.head_rows(s.H - 1, rows_f);
     for (Index i = 0; i < s.w; ++i)

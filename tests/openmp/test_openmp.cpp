@@ -4,7 +4,7 @@
 // inside the engine's own parallel region must run serially with the same results.
 #include <catch2/catch.hpp>
 
-#include <kvevict/kvevict.hpp>
+#include <kvevict/extend.hpp>
 
 #include <omp.h>
 
@@ -87,16 +87,16 @@ std::vector<Flat> every_selection(const kvevict::LayerInputs<T>& in, int window,
 
 /// The parallel stages' outputs themselves (not only the selections they lead to).
 template <class S, class T>
-std::vector<RowMatrix<S>> stage_outputs(const kvevict::LayerInputs<T>& in, const kvevict::LayerShape& shape) {
-  const kvevict::WindowObservation<S, T> obs(in, shape);
+std::vector<RowMatrix<S>> stage_outputs(const kvevict::LayerInputs<T>& in, const kvevict::extend::LayerShape& shape) {
+  const kvevict::extend::WindowObservation<S, T> obs(in, shape);
   std::vector<RowMatrix<S>> out;
-  out.push_back(kvevict::mean_scores(obs, 5, kvevict::Pooling::avg));
-  out.push_back(kvevict::defensive_scores(obs, 7, kvevict::Pooling::max, true));
+  out.push_back(kvevict::extend::mean_scores(obs, 5, kvevict::Pooling::avg));
+  out.push_back(kvevict::extend::defensive_scores(obs, 7, kvevict::Pooling::max, true));
   const auto gram = kvevict::OutputGram<S>::compute(in.w_o);
   for (const auto& g : gram.per_head) out.push_back(g);
-  out.push_back(kvevict::value_norms<S>(in.values, in.w_o, shape.group, kvevict::ValueNorm::l1));
-  out.push_back(kvevict::value_norms<S>(in.values, in.w_o, shape.group, kvevict::ValueNorm::l2, &gram));
-  kvevict::MassStatistics<S> mass(shape, false);
+  out.push_back(kvevict::extend::value_norms<S>(in.values, in.w_o, shape.group, kvevict::ValueNorm::l1));
+  out.push_back(kvevict::extend::value_norms<S>(in.values, in.w_o, shape.group, kvevict::ValueNorm::l2, &gram));
+  kvevict::extend::MassStatistics<S> mass(shape, false);
   obs.for_each_head([&](Index q, const RowMatrix<S>& rows) { mass.add(q, rows); });
   RowMatrix<S> bias(1, 1);
   bias(0, 0) = static_cast<S>(mass.window_bias());

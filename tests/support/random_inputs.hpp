@@ -2,7 +2,7 @@
 #ifndef KVEVICT_TESTS_SUPPORT_RANDOM_INPUTS_HPP
 #define KVEVICT_TESTS_SUPPORT_RANDOM_INPUTS_HPP
 
-#include <kvevict/kvevict.hpp>
+#include <kvevict/extend.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -117,7 +117,7 @@ std::vector<S> library_attention(const kvevict::HeadsView<const T>& queries, con
   std::vector<S> out(sz(H * w * L));
   kvevict::RowMatrix<S> rows;
   for (kvevict::Index q = 0; q < H; ++q) {
-    kvevict::window_attention<S, T>(queries, keys, q, G, rows);
+    kvevict::extend::window_attention<S, T>(queries, keys, q, G, rows);
     for (kvevict::Index i = 0; i < w; ++i)
       for (kvevict::Index j = 0; j < L; ++j) out[sz((q * w + i) * L + j)] = rows(i, j);
   }

@@ -8,7 +8,7 @@
 #ifndef KVEVICT_TESTS_SUPPORT_SELECTOR_INPUTS_HPP
 #define KVEVICT_TESTS_SUPPORT_SELECTOR_INPUTS_HPP
 
-#include <kvevict/kvevict.hpp>
+#include <kvevict/extend.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -51,8 +51,8 @@ inline VLayer random_vlayer(const Shape& s, int D, Rng& rng, double query_scale 
 }
 
 /// The library's LayerShape of a Shape.
-inline kvevict::LayerShape layer_shape(const Shape& s) {
-  kvevict::LayerShape shape;
+inline kvevict::extend::LayerShape layer_shape(const Shape& s) {
+  kvevict::extend::LayerShape shape;
   shape.query_heads = s.H;
   shape.kv_heads = s.Hkv;
   shape.group = s.G();

@@ -5,7 +5,7 @@
 #include "kvevict/aggregation/pooling.hpp"
 #include "kvevict/observation/window_attention.hpp"
 
-namespace kvevict {
+namespace kvevict::extend {
 
 /// Accumulates M [Hkv, P] one query head at a time:
 ///   R[q][i, :] = pool(A[q][i, :P]) * sum(A[q][i, :P]) / sum(pool(A[q][i, :P]))   (pooled, mass renormalised;
@@ -56,4 +56,4 @@ RowMatrix<S> defensive_scores(const WindowObservation<S, KV, Q>& obs, Index kern
   return agg.finish();
 }
 
-}  // namespace kvevict
+}  // namespace kvevict::extend

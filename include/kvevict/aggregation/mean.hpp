@@ -6,7 +6,7 @@
 #include "kvevict/aggregation/pooling.hpp"
 #include "kvevict/observation/window_attention.hpp"
 
-namespace kvevict {
+namespace kvevict::extend {
 
 /// Accumulates scores [Hkv, P] of the prefix tokens one query head at a time:
 ///   s_q = mean_i A[q][i, :P]; s_q = pool(s_q); s[h] = mean over the G query heads of group h.
@@ -43,4 +43,4 @@ RowMatrix<S> mean_scores(const WindowObservation<S, KV, Q>& obs, Index kernel, P
   return agg.finish();
 }
 
-}  // namespace kvevict
+}  // namespace kvevict::extend

@@ -15,6 +15,10 @@ enum class Pooling {
 
 inline const char* to_string(Pooling p) { return p == Pooling::avg ? "avg" : "max"; }
 
+}  // namespace kvevict::extend
+
+namespace kvevict::extend {
+
 /// out[j] = pool(in[j - k/2 .. j + k/2] clipped to [0, n)), j in [0, n); in and out must not alias.
 /// O(n k): kernels are small (5 and 7 in the papers).
 template <class S>
@@ -29,4 +33,4 @@ void pool1d(const S* in, Index n, Index kernel, Pooling pooling, S* out) {
   }
 }
 
-}  // namespace kvevict
+}  // namespace kvevict::extend

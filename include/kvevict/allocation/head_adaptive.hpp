@@ -34,28 +34,28 @@ struct HeadAdaptiveAllocation {
   /// head's top int(n_kept * alpha) entries to the forced tier of `scores`, so that the per-head selection that
   /// follows reproduces the flat top-k exactly.
   template <class S>
-  std::vector<Index> allocate(ScoreMap<S>& scores, const LayerBudget& budget) const {
+  std::vector<Index> allocate(extend::ScoreMap<S>& scores, const extend::LayerBudget& budget) const {
     if (params_.variant == Variant::original) return allocate_original(scores, budget);
     const auto n_safe = static_cast<Index>(static_cast<double>(budget.n_kept) * params_.alpha);
     if (n_safe > 0) {
-      KeepFlags safe(scores.score.size(), 0);
-      for (Index h = 0; h < scores.heads; ++h) top_k_of_head(scores, h, n_safe, safe);
+      extend::KeepFlags safe(scores.score.size(), 0);
+      for (Index h = 0; h < scores.heads; ++h) extend::top_k_of_head(scores, h, n_safe, safe);
       for (std::size_t f = 0; f < safe.size(); ++f)
         if (safe[f]) scores.promote(static_cast<Index>(f) / scores.tokens, static_cast<Index>(f) % scores.tokens,
-                                    Tier::forced);
+                                    extend::Tier::forced);
     }
-    return top_k_counts(scores, budget.total);
+    return extend::top_k_counts(scores, budget.total);
   }
 
  private:
   template <class S>
-  std::vector<Index> allocate_original(const ScoreMap<S>& scores, const LayerBudget& budget) const {
+  std::vector<Index> allocate_original(const extend::ScoreMap<S>& scores, const extend::LayerBudget& budget) const {
     const Index w = budget.window;
     const auto n_kept = static_cast<Index>(budget.n_kept);
     if (n_kept <= w) return std::vector<Index>(static_cast<std::size_t>(scores.heads), n_kept);
     const Index prefix_budget = n_kept - w;
-    std::vector<Index> b = top_k_counts(scores, scores.heads * prefix_budget,
-                                        [&](std::size_t f) { return scores.tier[f] == Tier::scored; });
+    std::vector<Index> b = extend::top_k_counts(scores, scores.heads * prefix_budget,
+                                        [&](std::size_t f) { return scores.tier[f] == extend::Tier::scored; });
     const double floor_share = std::floor(params_.alpha * static_cast<double>(prefix_budget));
     for (Index& count : b)  // std::nearbyint rounds half to even in the default rounding mode
       count = static_cast<Index>(std::nearbyint(static_cast<double>(count) * (1.0 - params_.alpha) + floor_share)) + w;

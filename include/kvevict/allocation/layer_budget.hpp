@@ -8,7 +8,7 @@
 #include "kvevict/core/inputs.hpp"
 #include "kvevict/core/views.hpp"
 
-namespace kvevict {
+namespace kvevict::extend {
 
 /// n_kept per KV head on average (window included), the total to distribute (Hkv * n_kept per layer unless a
 /// reference quirk says otherwise), the window size, and the compression ratio when the budget was given as one
@@ -32,4 +32,4 @@ inline LayerBudget layer_budget(const LayerShape& shape, const Budget& budget, c
   return b;
 }
 
-}  // namespace kvevict
+}  // namespace kvevict::extend

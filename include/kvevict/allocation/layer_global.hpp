@@ -8,7 +8,7 @@
 
 #include "kvevict/ranking/score_map.hpp"
 
-namespace kvevict {
+namespace kvevict::extend {
 
 /// Per-(layer, KV head) budgets from one top-k of `total` entries over all layers' maps. Order: entries above the
 /// scored tier first (forced and window tokens: +infinity, always kept while they fit), then score descending, then
@@ -47,4 +47,4 @@ std::vector<std::vector<Index>> allocate_layer_global(const std::vector<const Sc
   return budgets;
 }
 
-}  // namespace kvevict
+}  // namespace kvevict::extend

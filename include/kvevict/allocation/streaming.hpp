@@ -37,7 +37,7 @@ class StreamingLLM {
                     " and ", tokens);
     const auto n_kept = static_cast<Index>(budget.n_kept(tokens, where));
     const Index sinks = std::min(params_.sinks, n_kept), recent = n_kept - sinks;
-    KeepFlags keep(static_cast<std::size_t>(kv_heads * tokens), 0);
+    extend::KeepFlags keep(static_cast<std::size_t>(kv_heads * tokens), 0);
     for (Index h = 0; h < kv_heads; ++h)
       for (Index j = 0; j < tokens; ++j)
         keep[static_cast<std::size_t>(h * tokens + j)] = (j < sinks || j >= tokens - recent) ? 1 : 0;

@@ -20,7 +20,7 @@ struct UniformAllocation {
 
   /// Per-head budgets [kv_heads].
   template <class S>
-  std::vector<Index> allocate(ScoreMap<S>& scores, const LayerBudget& budget) const {
+  std::vector<Index> allocate(extend::ScoreMap<S>& scores, const extend::LayerBudget& budget) const {
     return std::vector<Index>(static_cast<std::size_t>(scores.heads), static_cast<Index>(budget.n_kept));
   }
 };

@@ -6,6 +6,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "kvevict/core/config.hpp"
+
 namespace kvevict {
 
 /// Thrown by every public entry point on bad shapes, budgets or parameters.

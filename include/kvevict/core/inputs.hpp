@@ -6,11 +6,9 @@
 
 #include "kvevict/core/error.hpp"
 #include "kvevict/core/views.hpp"
+#include "kvevict/value/output_gram.hpp"
 
 namespace kvevict {
-
-template <class S>
-struct OutputGram;  // value/value_norm.hpp
 
 /// The scalar of a precomputed OutputGram for storage T: double for double storage, float otherwise.
 template <class T>
@@ -45,6 +43,10 @@ struct LayerInputs {
   const OutputGram<gram_scalar_t<W>>* w_o_gram = nullptr;
 };
 
+}  // namespace kvevict
+
+namespace kvevict::extend {
+
 /// The dimensions of one layer after validation.
 struct LayerShape {
   Index query_heads = 0;  ///< H
@@ -56,11 +58,14 @@ struct LayerShape {
   Index head_dim = 0;     ///< d
 };
 
-namespace detail {
+}  // namespace kvevict::extend
+
+namespace kvevict::detail {
+
 
 /// Checks `in` against the rules of ALGORITHMS.md section 1 for a window of `window` queries; O(1).
 template <class KV, class Q, class W>
-LayerShape validate_inputs(const LayerInputs<KV, Q, W>& in, Index window, const char* where) {
+extend::LayerShape validate_inputs(const LayerInputs<KV, Q, W>& in, Index window, const char* where) {
   const bool has_q = in.queries.heads() * in.queries.rows() * in.queries.cols() > 0;
   const bool has_a = in.attention.heads() * in.attention.rows() * in.attention.cols() > 0;
   require(in.keys.heads() >= 1 && in.keys.rows() >= 1 && in.keys.cols() >= 1, where,
@@ -68,7 +73,7 @@ LayerShape validate_inputs(const LayerInputs<KV, Q, W>& in, Index window, const 
           ", ", in.keys.cols(), "]");
   require(has_q != has_a, where, "exactly one of queries [H, w, head_dim] and attention [H, w, L] must be given, got ",
           has_q ? "both" : "neither");
-  LayerShape s;
+  extend::LayerShape s;
   s.kv_heads = in.keys.heads();
   s.tokens = in.keys.rows();
   s.head_dim = in.keys.cols();
@@ -97,5 +102,4 @@ LayerShape validate_inputs(const LayerInputs<KV, Q, W>& in, Index window, const 
   return s;
 }
 
-}  // namespace detail
-}  // namespace kvevict
+}  // namespace kvevict::detail

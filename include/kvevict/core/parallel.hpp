@@ -6,6 +6,7 @@
 
 #include <exception>
 
+#include "kvevict/core/config.hpp"
 #include "kvevict/core/views.hpp"
 
 #if defined(KVEVICT_OPENMP)
@@ -16,6 +17,7 @@
 #endif
 
 namespace kvevict::detail {
+inline namespace KVEVICT_ABI_NAMESPACE {
 
 /// Calls f(i, scratch) for i in [0, n): on OpenMP threads when enabled, else in order. Each thread default-constructs
 /// one Scratch and reuses it for all its indices (work buffers allocated once per thread, not per index). If calls
@@ -58,4 +60,5 @@ void parallel_for(Index n, F&& f) {
   parallel_for_with<None>(n, [&](Index i, None&) { f(i); });
 }
 
+}  // namespace KVEVICT_ABI_NAMESPACE
 }  // namespace kvevict::detail

@@ -10,7 +10,7 @@
 
 #include "kvevict/observation/window_attention.hpp"
 
-namespace kvevict {
+namespace kvevict::extend {
 
 /// Accumulates, one query head at a time, what the mass forcing needs:
 ///   p[h]        [P]  sum over the G query heads and w rows of A[q][i, :P] (normalised in forced_tokens)
@@ -123,4 +123,4 @@ class MassStatistics {
   std::vector<double> bias_;  // [H] the mass each query head's window rows put on the bias columns
 };
 
-}  // namespace kvevict
+}  // namespace kvevict::extend

@@ -11,9 +11,7 @@
 #include "kvevict/core/parallel.hpp"
 #include "kvevict/core/views.hpp"
 
-namespace kvevict {
-
-namespace detail {
+namespace kvevict::detail {
 
 /// Throws kvevict::invalid_argument naming the first NaN or Inf entry of `v` ([heads, rows, cols]).
 template <class T>
@@ -58,7 +56,10 @@ decltype(auto) as_arithmetic(M&& m) {
     return m.template cast<S>();
 }
 
-}  // namespace detail
+}  // namespace kvevict::detail
+
+namespace kvevict::extend {
+inline namespace KVEVICT_ABI_NAMESPACE {
 
 /// Window attention of query head q: `rows` [w, L] receives softmax(Q_win[q] K[q/G]^T / sqrt(d)) with the causal
 /// mask inside the window (row i, at absolute position L-w+i, sees keys j <= L-w+i; masked entries are 0).
@@ -153,4 +154,5 @@ WindowObservation<S, KV, Q> observe(const LayerInputs<KV, Q, W>& in, const Layer
   return WindowObservation<S, KV, Q>(in, shape, where);
 }
 
-}  // namespace kvevict
+}  // namespace KVEVICT_ABI_NAMESPACE
+}  // namespace kvevict::extend

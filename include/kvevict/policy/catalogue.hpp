@@ -120,6 +120,7 @@ std::vector<Selection> select_layers(const P& policy, const std::vector<LayerInp
 }
 
 namespace catalogue {
+inline namespace KVEVICT_ABI_NAMESPACE {  // core/config.hpp: the presets depend on KVEVICT_OPENMP
 
 /// A catalogue entry: the preset type P under a name, with a one-line summary.
 template <class P>
@@ -222,5 +223,6 @@ bool compose(std::string_view base, std::string_view selector, F&& f) {
   return found;
 }
 
+}  // namespace KVEVICT_ABI_NAMESPACE
 }  // namespace catalogue
 }  // namespace kvevict

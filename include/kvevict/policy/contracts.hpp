@@ -42,11 +42,11 @@ struct is_allocation : std::false_type {};
 template <class T>
 struct is_allocation<T, std::void_t<typename T::Params,
                                     decltype(std::declval<const typename T::Params&>().validate("")),
-                                    decltype(std::declval<const T&>().allocate(std::declval<ScoreMap<float>&>(),
-                                                                               std::declval<const LayerBudget&>()))>>
+                                    decltype(std::declval<const T&>().allocate(std::declval<extend::ScoreMap<float>&>(),
+                                                                               std::declval<const extend::LayerBudget&>()))>>
     : std::bool_constant<std::is_constructible_v<T, const typename T::Params&> &&
                          std::is_same_v<decltype(std::declval<const T&>().allocate(
-                                            std::declval<ScoreMap<float>&>(), std::declval<const LayerBudget&>())),
+                                            std::declval<extend::ScoreMap<float>&>(), std::declval<const extend::LayerBudget&>())),
                                         std::vector<Index>>> {};
 
 /// A Selector (selectors/selector.hpp documents each member).
@@ -56,15 +56,15 @@ template <class T>
 struct is_selector<
     T, std::void_t<typename T::Params, decltype(std::declval<const typename T::Params&>().validate("")),
                    typename T::template Layer<float>, decltype(bool{std::declval<const T&>().reads_values()}),
-                   decltype(std::declval<const T&>().adjust_budget(std::declval<LayerBudget&>(),
-                                                                   std::declval<const LayerShape&>(),
+                   decltype(std::declval<const T&>().adjust_budget(std::declval<extend::LayerBudget&>(),
+                                                                   std::declval<const extend::LayerShape&>(),
                                                                    std::declval<const CommonParams&>(), "")),
                    decltype(std::declval<const T&>().template score<float>(
-                       std::declval<const LayerInputs<float>&>(), std::declval<const LayerShape&>(),
-                       std::declval<const CommonParams&>(), std::declval<const LayerBudget&>(), "")),
+                       std::declval<const LayerInputs<float>&>(), std::declval<const extend::LayerShape&>(),
+                       std::declval<const CommonParams&>(), std::declval<const extend::LayerBudget&>(), "")),
                    decltype(std::declval<const T&>().select(std::declval<const typename T::template Layer<float>&>(),
                                                             std::declval<const std::vector<Index>&>(),
-                                                            std::declval<KeepFlags&>()))>>
+                                                            std::declval<extend::KeepFlags&>()))>>
     : std::bool_constant<std::is_constructible_v<T, const typename T::Params&>> {};
 
 /// A model-level preset (LayerGlobalPolicy<S> or a class derived from one, such as LayerDefensiveKV).

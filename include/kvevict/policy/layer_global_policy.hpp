@@ -52,8 +52,8 @@ class LayerGlobalPolicy {
     template <class KV, class Q, class W>
     void add(const LayerInputs<KV, Q, W>& in) {
       const std::string where = policy_.name_ + "::add (layer " + std::to_string(layers_.size()) + ")";
-      const LayerShape shape = detail::validate_inputs(in, policy_.params_.window, where.c_str());
-      LayerBudget b = layer_budget(shape, budget_, where.c_str());
+      const extend::LayerShape shape = detail::validate_inputs(in, policy_.params_.window, where.c_str());
+      extend::LayerBudget b = extend::layer_budget(shape, budget_, where.c_str());
       b.shared_across_layers = true;
       policy_.selector_.adjust_budget(b, shape, policy_.params_, where.c_str());
       auto scored = policy_.selector_.template score<S>(in, shape, policy_.params_, b, where.c_str());
@@ -74,12 +74,12 @@ class LayerGlobalPolicy {
     /// Allocates across layers and returns one Selection per added layer.
     std::vector<Selection> apply() const {
       detail::require(!layers_.empty(), (policy_.name_ + "::apply").c_str(), "no layer was added");
-      std::vector<const ScoreMap<S>*> maps;
+      std::vector<const extend::ScoreMap<S>*> maps;
       for (const auto& l : layers_) maps.push_back(&l.allocation);
       const Index total = policy_.params_.reference_quirks ? quirk_total_ : total_;
-      const std::vector<std::vector<Index>> budgets = allocate_layer_global(maps, total);
+      const std::vector<std::vector<Index>> budgets = extend::allocate_layer_global(maps, total);
       std::vector<Selection> out;
-      KeepFlags keep;
+      extend::KeepFlags keep;
       for (std::size_t l = 0; l < layers_.size(); ++l) {
         policy_.selector_.select(layers_[l], budgets[l], keep);
         out.push_back(Selection::from_flags(keep, shapes_[l].kv_heads, shapes_[l].tokens));
@@ -91,7 +91,7 @@ class LayerGlobalPolicy {
     LayerGlobalPolicy policy_;  // a copy (small): the plan may outlive the policy it came from
     Budget budget_;
     std::vector<typename SelectorType::template Layer<S>> layers_;
-    std::vector<LayerShape> shapes_;
+    std::vector<extend::LayerShape> shapes_;
     Index total_ = 0, quirk_total_ = 0;
   };
 

@@ -12,6 +12,7 @@
 #include "kvevict/selectors/defensive_selector.hpp"
 
 namespace kvevict {
+inline namespace KVEVICT_ABI_NAMESPACE {  // core/config.hpp: code that depends on KVEVICT_OPENMP
 
 /// SnapKV (arXiv 2404.14469): mean window attention, pooled; every KV head keeps the window and its top
 /// (n_kept - w) prefix tokens.
@@ -75,4 +76,5 @@ class AdaKVDefensive : public Policy<AdaKV, DefensiveSelector> {
   explicit AdaKVDefensive(const Params& p = Params{}) : Policy(p, type_name) {}
 };
 
+}  // namespace KVEVICT_ABI_NAMESPACE
 }  // namespace kvevict

@@ -8,7 +8,7 @@
 #include "kvevict/core/error.hpp"
 #include "kvevict/core/views.hpp"
 
-namespace kvevict {
+namespace kvevict::extend {
 
 /// Entries of a higher tier rank before every entry of a lower tier. Inside the window and forced tiers the
 /// score is ignored (set to 0), so they rank by recency: this is exactly the reference's "pad the window with the
@@ -71,4 +71,4 @@ struct ScoreMap {
   }
 };
 
-}  // namespace kvevict
+}  // namespace kvevict::extend

@@ -9,19 +9,21 @@
 
 #include "kvevict/ranking/score_map.hpp"
 
-namespace kvevict {
+namespace kvevict::extend {
 
 /// Per-entry keep flags [kv_heads, tokens], row-major like ScoreMap.
 using KeepFlags = std::vector<std::uint8_t>;
 
-namespace detail {
+}  // namespace kvevict::extend
+
+namespace kvevict::detail {
 
 /// True when flat entry a ranks strictly before flat entry b.
 template <class S>
 struct RanksBefore {
-  const ScoreMap<S>* map;
+  const extend::ScoreMap<S>* map;
   bool operator()(std::size_t a, std::size_t b) const {
-    const Tier ta = map->tier[a], tb = map->tier[b];
+    const extend::Tier ta = map->tier[a], tb = map->tier[b];
     if (ta != tb) return ta > tb;
     const S sa = map->score[a], sb = map->score[b];
     if (sa != sb) return sa > sb;
@@ -34,14 +36,16 @@ struct RanksBefore {
 
 /// Reorders `candidates` so that its first k entries are the top k (in no particular order among themselves).
 template <class S>
-void partition_top_k(const ScoreMap<S>& map, std::vector<std::size_t>& candidates, std::size_t k) {
+void partition_top_k(const extend::ScoreMap<S>& map, std::vector<std::size_t>& candidates, std::size_t k) {
   KVEVICT_ASSERT(k <= candidates.size());
   if (k == 0 || k == candidates.size()) return;
   std::nth_element(candidates.begin(), candidates.begin() + static_cast<std::ptrdiff_t>(k - 1), candidates.end(),
                    RanksBefore<S>{&map});
 }
 
-}  // namespace detail
+}  // namespace kvevict::detail
+
+namespace kvevict::extend {
 
 /// Flags the top `k` entries of head h in `keep` ([kv_heads, tokens]) among those not flagged yet (so a second
 /// call adds the next best); other heads' flags are untouched.
@@ -78,4 +82,4 @@ std::vector<Index> top_k_counts(const ScoreMap<S>& map, Index k) {
   return top_k_counts(map, k, [](std::size_t) { return true; });
 }
 
-}  // namespace kvevict
+}  // namespace kvevict::extend

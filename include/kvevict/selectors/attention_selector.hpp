@@ -9,6 +9,7 @@
 #include "kvevict/selectors/selector.hpp"
 
 namespace kvevict {
+inline namespace KVEVICT_ABI_NAMESPACE {  // core/config.hpp: code that depends on KVEVICT_OPENMP
 
 /// Scores prefix token j of KV head h by s[h][j] (ALGORITHMS.md 2.3, mean); the window ranks above every prefix
 /// token; each head keeps its top budgets[h].
@@ -19,30 +20,31 @@ struct AttentionSelector {
   };
   template <class S>
   struct Layer {
-    ScoreMap<S> allocation;
+    extend::ScoreMap<S> allocation;
   };
 
   AttentionSelector() = default;
   explicit AttentionSelector(const Params&) {}
   bool reads_values() const { return false; }
 
-  void adjust_budget(LayerBudget& /*budget*/, const LayerShape& /*shape*/, const CommonParams& /*common*/,
+  void adjust_budget(extend::LayerBudget& /*budget*/, const extend::LayerShape& /*shape*/, const CommonParams& /*common*/,
                      const char* /*where*/) const {}
 
   template <class S, class In>
-  Layer<S> score(const In& in, const LayerShape& shape, const CommonParams& common, const LayerBudget& /*budget*/,
+  Layer<S> score(const In& in, const extend::LayerShape& shape, const CommonParams& common, const extend::LayerBudget& /*budget*/,
                  const char* where) const {
-    const auto obs = observe<S>(in, shape, where);
-    Layer<S> layer{scores_with_window(mean_scores(obs, common.kernel, common.pooling), shape.window,
+    const auto obs = extend::observe<S>(in, shape, where);
+    Layer<S> layer{extend::scores_with_window(extend::mean_scores(obs, common.kernel, common.pooling), shape.window,
                                       common.reference_quirks)};
     layer.allocation.require_finite(where);
     return layer;
   }
 
   template <class S>
-  void select(const Layer<S>& layer, const std::vector<Index>& budgets, KeepFlags& keep) const {
-    select_top_per_head(layer.allocation, budgets, keep);
+  void select(const Layer<S>& layer, const std::vector<Index>& budgets, extend::KeepFlags& keep) const {
+    extend::select_top_per_head(layer.allocation, budgets, keep);
   }
 };
 
+}  // namespace KVEVICT_ABI_NAMESPACE
 }  // namespace kvevict

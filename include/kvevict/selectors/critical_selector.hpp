@@ -11,6 +11,7 @@
 #include "kvevict/value/value_norm.hpp"
 
 namespace kvevict {
+inline namespace KVEVICT_ABI_NAMESPACE {  // core/config.hpp: code that depends on KVEVICT_OPENMP
 
 /// Allocation ranks by the mean attention score s (2.3), so the base method (uniform, head-adaptive with its
 /// safeguard, layer-global) allocates exactly as it would alone. Then each head h with budget b_h
@@ -32,8 +33,8 @@ struct CriticalSelector {
   };
   template <class S>
   struct Layer {
-    ScoreMap<S> allocation;  ///< s with the window, [Hkv, L]
-    ScoreMap<S> critical;    ///< s' [Hkv, L]
+    extend::ScoreMap<S> allocation;  ///< s with the window, [Hkv, L]
+    extend::ScoreMap<S> critical;    ///< s' [Hkv, L]
   };
 
   CriticalSelector() = default;
@@ -41,22 +42,22 @@ struct CriticalSelector {
   const Params& params() const { return params_; }
   bool reads_values() const { return true; }
 
-  void adjust_budget(LayerBudget& /*budget*/, const LayerShape& /*shape*/, const CommonParams& /*common*/,
+  void adjust_budget(extend::LayerBudget& /*budget*/, const extend::LayerShape& /*shape*/, const CommonParams& /*common*/,
                      const char* /*where*/) const {}
 
   template <class S, class In>
-  Layer<S> score(const In& in, const LayerShape& shape, const CommonParams& common, const LayerBudget& /*budget*/,
+  Layer<S> score(const In& in, const extend::LayerShape& shape, const CommonParams& common, const extend::LayerBudget& /*budget*/,
                  const char* where) const {
-    detail::validate_value_inputs(in, shape, params_.value_norm, where);
-    const auto obs = observe<S>(in, shape, where);
-    const RowMatrix<S> s = mean_scores(obs, common.kernel, common.pooling);
-    Layer<S> layer{scores_with_window(s, shape.window, common.reference_quirks), ScoreMap<S>(shape.kv_heads, shape.tokens)};
+    extend::validate_value_inputs(in, shape, params_.value_norm, where);
+    const auto obs = extend::observe<S>(in, shape, where);
+    const RowMatrix<S> s = extend::mean_scores(obs, common.kernel, common.pooling);
+    Layer<S> layer{extend::scores_with_window(s, shape.window, common.reference_quirks), extend::ScoreMap<S>(shape.kv_heads, shape.tokens)};
     layer.allocation.require_finite(where);
 
     OutputGram<S> scratch;
     const OutputGram<S>* gram =
-        params_.value_norm == ValueNorm::l2 ? &detail::output_gram<S>(in, scratch) : nullptr;
-    const RowMatrix<S> n = value_norms<S>(in.values, in.w_o, shape.group, params_.value_norm, gram);
+        params_.value_norm == ValueNorm::l2 ? &extend::output_gram<S>(in, scratch) : nullptr;
+    const RowMatrix<S> n = extend::value_norms<S>(in.values, in.w_o, shape.group, params_.value_norm, gram);
     const S eps = static_cast<S>(params_.eps);
     const S layer_max = s.maxCoeff();
     for (Index h = 0; h < shape.kv_heads; ++h) {
@@ -65,7 +66,7 @@ struct CriticalSelector {
         if (common.reference_quirks)
           layer.critical.at(h, j) = (layer_max + eps) * n(h, j);
         else
-          layer.critical.promote(h, j, Tier::window);
+          layer.critical.promote(h, j, extend::Tier::window);
       }
     }
     layer.critical.require_finite(where);
@@ -73,17 +74,17 @@ struct CriticalSelector {
   }
 
   template <class S>
-  void select(const Layer<S>& layer, const std::vector<Index>& budgets, KeepFlags& keep) const {
+  void select(const Layer<S>& layer, const std::vector<Index>& budgets, extend::KeepFlags& keep) const {
     keep.assign(layer.allocation.score.size(), 0);
-    ScoreMap<S> second = layer.critical;  // safeguard entries of the allocation stay first in stage 2 too
+    extend::ScoreMap<S> second = layer.critical;  // safeguard entries of the allocation stay first in stage 2 too
     for (std::size_t f = 0; f < second.tier.size(); ++f)
-      if (layer.allocation.tier[f] == Tier::forced) second.promote(static_cast<Index>(f) / second.tokens,
-                                                                   static_cast<Index>(f) % second.tokens, Tier::forced);
+      if (layer.allocation.tier[f] == extend::Tier::forced) second.promote(static_cast<Index>(f) / second.tokens,
+                                                                   static_cast<Index>(f) % second.tokens, extend::Tier::forced);
     for (Index h = 0; h < layer.allocation.heads; ++h) {
       const Index b = budgets[static_cast<std::size_t>(h)];
       const auto first = static_cast<Index>(static_cast<double>(b) * params_.first_stage_ratio);
-      top_k_of_head(layer.allocation, h, first, keep);
-      top_k_of_head(second, h, b - first, keep);
+      extend::top_k_of_head(layer.allocation, h, first, keep);
+      extend::top_k_of_head(second, h, b - first, keep);
     }
   }
 
@@ -91,4 +92,5 @@ struct CriticalSelector {
   Params params_;
 };
 
+}  // namespace KVEVICT_ABI_NAMESPACE
 }  // namespace kvevict

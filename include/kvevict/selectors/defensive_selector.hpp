@@ -13,6 +13,7 @@
 #include "kvevict/value/value_norm.hpp"
 
 namespace kvevict {
+inline namespace KVEVICT_ABI_NAMESPACE {  // core/config.hpp: code that depends on KVEVICT_OPENMP
 
 /// Scores s'[h][j] = M[h][j] * Nn[h][j] with M the defensive aggregation (2.3) and Nn[h][j] = N[h][j] / sum over
 /// KV heads of N[.][j] (2.4, no eps), then one top-k over the layer (or the model). Corrected (default): each head's
@@ -36,7 +37,7 @@ struct DefensiveSelector {
   };
   template <class S>
   struct Layer {
-    ScoreMap<S> allocation;
+    extend::ScoreMap<S> allocation;
   };
 
   DefensiveSelector() = default;
@@ -45,7 +46,7 @@ struct DefensiveSelector {
   bool reads_values() const { return params_.value_term; }
 
   /// Under reference_quirks the flat totals are int(L * (1 - cr) * Hkv) (ALGORITHMS.md section 1).
-  void adjust_budget(LayerBudget& budget, const LayerShape& shape, const CommonParams& common,
+  void adjust_budget(extend::LayerBudget& budget, const extend::LayerShape& shape, const CommonParams& common,
                      const char* where) const {
     if (!common.reference_quirks) return;
     const double cr = detail::quirk_compression_ratio(budget, where);
@@ -53,12 +54,12 @@ struct DefensiveSelector {
   }
 
   template <class S, class In>
-  Layer<S> score(const In& in, const LayerShape& shape, const CommonParams& common, const LayerBudget& budget,
+  Layer<S> score(const In& in, const extend::LayerShape& shape, const CommonParams& common, const extend::LayerBudget& budget,
                  const char* where) const {
-    if (params_.value_term) detail::validate_value_inputs(in, shape, params_.value_norm, where);
-    const auto obs = observe<S>(in, shape, where);
-    DefensiveAggregator<S> aggregation(shape, common.kernel, common.pooling, params_.floor);
-    MassStatistics<S> mass(shape, common.reference_quirks);
+    if (params_.value_term) extend::validate_value_inputs(in, shape, params_.value_norm, where);
+    const auto obs = extend::observe<S>(in, shape, where);
+    extend::DefensiveAggregator<S> aggregation(shape, common.kernel, common.pooling, params_.floor);
+    extend::MassStatistics<S> mass(shape, common.reference_quirks);
     obs.for_each_head([&](Index q, const RowMatrix<S>& rows) {
       aggregation.add(q, rows);
       if (params_.mass_forcing) mass.add(q, rows);
@@ -67,15 +68,15 @@ struct DefensiveSelector {
     if (params_.value_term) {
       OutputGram<S> scratch;
       const OutputGram<S>* gram =
-          params_.value_norm == ValueNorm::l2 ? &detail::output_gram<S>(in, scratch) : nullptr;
-      const RowMatrix<S> n = value_norms<S>(in.values, in.w_o, shape.group, params_.value_norm, gram);
+          params_.value_norm == ValueNorm::l2 ? &extend::output_gram<S>(in, scratch) : nullptr;
+      const RowMatrix<S> n = extend::value_norms<S>(in.values, in.w_o, shape.group, params_.value_norm, gram);
       for (Index j = 0; j < shape.prefix; ++j) {
         const S total = n.col(j).sum();
         for (Index h = 0; h < shape.kv_heads; ++h) scores(h, j) *= total > S(0) ? n(h, j) / total : S(0);
       }
     }
 
-    Layer<S> layer{ScoreMap<S>::with_window(scores, shape.window)};
+    Layer<S> layer{extend::ScoreMap<S>::with_window(scores, shape.window)};
     layer.allocation.require_finite(where);
     std::vector<std::vector<Index>> forced(static_cast<std::size_t>(shape.kv_heads));
     if (params_.mass_forcing) {
@@ -91,7 +92,7 @@ struct DefensiveSelector {
       // Corrected (per layer and layer-global alike): forced and window tokens form tiers above every scored entry
       // (+infinity in a layer-global top-k), so a prefix token that ties the layer maximum never displaces them.
       for (Index h = 0; h < shape.kv_heads; ++h)
-        for (Index j : forced[static_cast<std::size_t>(h)]) layer.allocation.promote(h, j, Tier::forced);
+        for (Index j : forced[static_cast<std::size_t>(h)]) layer.allocation.promote(h, j, extend::Tier::forced);
     } else {
       // Reference: forced tokens and the window carry the layer maximum of s', then one top-k in the section 2.7
       // order (a scored token that ties the maximum and is more recent displaces a forced one when they all tie).
@@ -99,7 +100,7 @@ struct DefensiveSelector {
       for (Index h = 0; h < shape.kv_heads; ++h) {
         for (Index j : forced[static_cast<std::size_t>(h)]) layer.allocation.at(h, j) = layer_max;
         for (Index j = shape.prefix; j < shape.tokens; ++j) {
-          layer.allocation.tier[layer.allocation.flat(h, j)] = Tier::scored;
+          layer.allocation.tier[layer.allocation.flat(h, j)] = extend::Tier::scored;
           layer.allocation.at(h, j) = layer_max;
         }
       }
@@ -108,12 +109,13 @@ struct DefensiveSelector {
   }
 
   template <class S>
-  void select(const Layer<S>& layer, const std::vector<Index>& budgets, KeepFlags& keep) const {
-    select_top_per_head(layer.allocation, budgets, keep);
+  void select(const Layer<S>& layer, const std::vector<Index>& budgets, extend::KeepFlags& keep) const {
+    extend::select_top_per_head(layer.allocation, budgets, keep);
   }
 
  private:
   Params params_;
 };
 
+}  // namespace KVEVICT_ABI_NAMESPACE
 }  // namespace kvevict

@@ -45,6 +45,10 @@ struct CommonParams {
   }
 };
 
+}  // namespace kvevict
+
+namespace kvevict::extend {
+
 /// Prefix scores [Hkv, P] followed by the window. By default the window is its own tier, above every prefix token.
 /// Under reference_quirks it carries the maximum of the whole layer's prefix scores, as the reference pads it:
 /// the same ranking inside a layer (exact ties go to the more recent token), but it can lose a layer-global top-k.
@@ -71,14 +75,14 @@ void select_top_per_head(const ScoreMap<S>& map, const std::vector<Index>& budge
   for (Index h = 0; h < map.heads; ++h) top_k_of_head(map, h, budgets[static_cast<std::size_t>(h)], keep);
 }
 
-namespace detail {
+}  // namespace kvevict::extend
+
+namespace kvevict::detail {
 /// The compression ratio a reference quirk's formula needs; throws when the budget was given another way.
-inline double quirk_compression_ratio(const LayerBudget& b, const char* where) {
+inline double quirk_compression_ratio(const extend::LayerBudget& b, const char* where) {
   require(!std::isnan(b.compression_ratio), where,
           "reference_quirks needs the budget as a compression ratio (Budget::compression_ratio), since the "
           "reference's formulas use it");
   return b.compression_ratio;
 }
-}  // namespace detail
-
-}  // namespace kvevict
+}  // namespace kvevict::detail

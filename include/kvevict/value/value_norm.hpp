@@ -2,6 +2,7 @@
 /// Stage 2.4, the value term (CriticalKV, arXiv 2502.03805): how much evicting a token perturbs the layer output,
 /// || V[h][j, :] (W_o^q)^T ||_p over the D output dimensions, averaged over the query heads of each group.
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -11,62 +12,9 @@
 #include "kvevict/core/parallel.hpp"
 #include "kvevict/core/views.hpp"
 #include "kvevict/observation/window_attention.hpp"
+#include "kvevict/value/output_gram.hpp"
 
-namespace kvevict {
-
-enum class ValueNorm {
-  l1,  ///< || v W^T ||_1, the papers' code: a blocked [L, d] x [d, D] product with a fused |.|-sum, O(L d D)
-  l2   ///< || v W^T ||_2 = sqrt(v (W^T W) v^T) through the per-head Gram matrix W^T W [d, d], O(L d^2)
-};
-
-inline const char* to_string(ValueNorm n) { return n == ValueNorm::l1 ? "l1" : "l2"; }
-
-/// W_o [D, H * head_dim] in the PyTorch Linear layout (out = concat_heads(attn) W_o^T), seen per query head q as
-/// the column block W_o^q [D, head_dim]: heads = H, rows = D, cols = head_dim, head_stride = head_dim,
-/// row_stride = the row pitch of W_o (H * head_dim when dense). No copy.
-template <class T>
-HeadsView<T> output_projection(T* data, Index hidden, Index query_heads, Index head_dim) {
-  return HeadsView<T>(data, query_heads, hidden, head_dim, head_dim, query_heads * head_dim);
-}
-
-/// Per-head Gram matrices of W_o, G_q = (W_o^q)^T W_o^q [head_dim, head_dim], precomputed once per model and layer
-/// for the L2 value norm.
-template <class S>
-struct OutputGram {
-  std::vector<RowMatrix<S>> per_head;  // [H] of [head_dim, head_dim]
-
-  Index heads() const { return static_cast<Index>(per_head.size()); }
-
-  /// The same matrices in another scalar type.
-  template <class U>
-  OutputGram<U> cast() const {
-    OutputGram<U> out;
-    for (const RowMatrix<S>& g : per_head) out.per_head.push_back(g.template cast<U>());
-    return out;
-  }
-
-  /// One Gram matrix per query head (over query heads in parallel with KVEVICT_OPENMP).
-  template <class T>
-  static OutputGram compute(const HeadsView<const T>& w_o) {
-    OutputGram g;
-    g.per_head.resize(static_cast<std::size_t>(w_o.heads()));
-    detail::parallel_for(w_o.heads(), [&](Index q) {
-      RowMatrix<S>& G = g.per_head[static_cast<std::size_t>(q)];
-      G.setZero(w_o.cols(), w_o.cols());
-      // W^T W is symmetric: a rank update of the lower triangle (half the FLOPs of a full product), mirrored.
-      if constexpr (std::is_same_v<std::remove_const_t<T>, S>) {
-        G.template selfadjointView<Eigen::Lower>().rankUpdate(w_o.head(q).transpose());
-      } else {
-        const RowMatrix<S> w = w_o.head(q).template cast<S>();
-        G.template selfadjointView<Eigen::Lower>().rankUpdate(w.transpose());
-      }
-      G.template triangularView<Eigen::StrictlyUpper>() = G.transpose();
-    });
-    return g;
-  }
-};
-
-namespace detail {
+namespace kvevict::detail {
 
 /// Adds || V_h[j] (W^q)^T ||_p to out[j] for the L rows of one KV head, in blocks of rows so that the [L, D]
 /// projection is never materialised (extra memory O(block * D): `proj`, reused).
@@ -81,7 +29,10 @@ void accumulate_l1_norms(const VMat& v, const WMat& w, S* out, RowMatrix<S>& pro
   }
 }
 
-}  // namespace detail
+}  // namespace kvevict::detail
+
+namespace kvevict::extend {
+inline namespace KVEVICT_ABI_NAMESPACE {
 
 /// N [Hkv, L]: N[h][j] = mean over the G query heads q of group h of || V[h][j, :] (W_o^q)^T ||_p.
 /// `gram` is used (and required) for ValueNorm::l2; it may be null for l1.
@@ -132,35 +83,33 @@ RowMatrix<S> value_norms(const KVView<const KV>& values, const HeadsView<const W
   return n;
 }
 
-namespace detail {
-
 /// Checks that the value-aware inputs are there, agree with the layer and are finite: values [Hkv, L, d] and
 /// W_o [H, D, d] (as output_projection() views W_o [D, H * d]). A NaN must not vanish: the DefensiveKV value term
 /// would turn it into a zero weight, an L2 norm's clamp at 0 could swallow it, and a window token's norm is not
 /// always read. O(size of values and W_o), once.
 template <class KV, class Q, class W>
 void validate_value_inputs(const LayerInputs<KV, Q, W>& in, const LayerShape& s, ValueNorm norm, const char* where) {
-  require(in.values.heads() * in.values.rows() * in.values.cols() > 0, where,
+  detail::require(in.values.heads() * in.values.rows() * in.values.cols() > 0, where,
           "this policy needs values [kv_heads, tokens, head_dim] (LayerInputs::values)");
-  require(in.w_o.heads() * in.w_o.rows() * in.w_o.cols() > 0, where,
+  detail::require(in.w_o.heads() * in.w_o.rows() * in.w_o.cols() > 0, where,
           "this policy needs w_o [hidden, H * head_dim] (LayerInputs::w_o, built with output_projection())");
-  require(in.w_o.heads() == s.query_heads && in.w_o.cols() == in.values.cols(), where,
+  detail::require(in.w_o.heads() == s.query_heads && in.w_o.cols() == in.values.cols(), where,
           "w_o must have H * head_dim = ", s.query_heads, " * ", in.values.cols(), " columns, got ", in.w_o.heads(),
           " * ", in.w_o.cols());
-  require_finite(in.values, where, "values");
+  detail::require_finite(in.values, where, "values");
   if (in.w_o_gram) {
     const auto& g = *in.w_o_gram;
-    require(g.heads() == s.query_heads, where, "w_o_gram must hold one Gram matrix per query head (", s.query_heads,
+    detail::require(g.heads() == s.query_heads, where, "w_o_gram must hold one Gram matrix per query head (", s.query_heads,
             "), got ", g.heads(), "; make it with OutputGram::compute(w_o)");
     for (Index q = 0; q < g.heads(); ++q) {
       const auto& m = g.per_head[static_cast<std::size_t>(q)];
-      require(m.rows() == in.w_o.cols() && m.cols() == in.w_o.cols(), where, "w_o_gram head ", q, " must be [",
+      detail::require(m.rows() == in.w_o.cols() && m.cols() == in.w_o.cols(), where, "w_o_gram head ", q, " must be [",
               in.w_o.cols(), ", ", in.w_o.cols(), "] (head_dim x head_dim), got [", m.rows(), ", ", m.cols(), "]");
-      require(std::isfinite((m.array() * 0).sum()), where, "w_o_gram head ", q, " is not finite");
+      detail::require(std::isfinite((m.array() * 0).sum()), where, "w_o_gram head ", q, " is not finite");
     }
   }
   // W_o itself is read unless the L2 term has a precomputed Gram; it is checked when it is read.
-  if (!(in.w_o_gram && norm == ValueNorm::l2)) require_finite(in.w_o, where, "w_o");
+  if (!(in.w_o_gram && norm == ValueNorm::l2)) detail::require_finite(in.w_o, where, "w_o");
 }
 
 /// The Gram matrices the L2 value term reads, in S: the engine's precomputed in.w_o_gram (widened or narrowed to S
@@ -179,5 +128,5 @@ const OutputGram<S>& output_gram(const LayerInputs<KV, Q, W>& in, OutputGram<S>&
   return scratch;
 }
 
-}  // namespace detail
-}  // namespace kvevict
+}  // namespace KVEVICT_ABI_NAMESPACE
+}  // namespace kvevict::extend

@@ -1,0 +1,37 @@
+#pragma once
+/// kvevict's extension API: the building blocks of the pipeline, for writing a new Selector (how a layer is scored
+/// and each head's tokens picked) or a new Allocation (how many tokens each KV head keeps), as the built-in ones
+/// are written. Everything here is in namespace kvevict::extend; the contracts a Selector and an Allocation must
+/// meet are checked at compile time by Policy and LayerGlobalPolicy (policy/contracts.hpp). Guide:
+/// docs/extending.md. Engines need only <kvevict/kvevict.hpp>.
+///
+///   stage                      header                          blocks
+///   shapes and budgets         core/inputs.hpp                 LayerShape
+///                              allocation/layer_budget.hpp     LayerBudget, layer_budget
+///   2.1 observation            observation/window_attention    WindowObservation, observe, window_attention
+///   2.2 pooling                aggregation/pooling.hpp         pool1d
+///   2.3 aggregation            aggregation/mean.hpp            MeanAggregator, mean_scores
+///                              aggregation/defensive.hpp       DefensiveAggregator, defensive_scores
+///   2.4 value term             value/value_norm.hpp            value_norms, validate_value_inputs, output_gram
+///   2.5 allocation             allocation/layer_global.hpp     allocate_layer_global
+///   2.6 forcing                forcing/mass_forcing.hpp        MassStatistics
+///   2.6-2.7 ranking, top-k     ranking/score_map.hpp           ScoreMap, Tier
+///                              ranking/topk.hpp                KeepFlags, top_k_of_head, top_k_counts
+///   selectors' shared steps    selectors/selector.hpp          scores_with_window, select_top_per_head
+/// (section numbers: docs/algorithms.md)
+
+#include "kvevict/kvevict.hpp"
+
+#include "kvevict/aggregation/defensive.hpp"
+#include "kvevict/aggregation/mean.hpp"
+#include "kvevict/aggregation/pooling.hpp"
+#include "kvevict/allocation/layer_budget.hpp"
+#include "kvevict/allocation/layer_global.hpp"
+#include "kvevict/core/inputs.hpp"
+#include "kvevict/forcing/mass_forcing.hpp"
+#include "kvevict/observation/window_attention.hpp"
+#include "kvevict/policy/contracts.hpp"
+#include "kvevict/ranking/score_map.hpp"
+#include "kvevict/ranking/topk.hpp"
+#include "kvevict/selectors/selector.hpp"
+#include "kvevict/value/value_norm.hpp"
