@@ -1,9 +1,10 @@
-# Header hygiene (DESIGN.md "Tests"): included from tests/CMakeLists.txt, so CMAKE_CURRENT_SOURCE_DIR is tests/.
+# Header hygiene: included from tests/CMakeLists.txt, so CMAKE_CURRENT_SOURCE_DIR is tests/.
 #   kvevict_header_check        every public header compiled on its own, twice (include guard), in C++17
 #   kvevict_header_check_cxx20  the umbrella header in C++20 where the compiler has it (the `#if __cpp_concepts`
 #                               paths; self-containment is already checked in C++17)
 #   kvevict_odr_test            two translation units that both include the umbrella header and instantiate the
-#                               presets, linked into one program (duplicate non-inline definitions fail the link)
+#                               presets, linked into one program (duplicate non-inline definitions fail the link),
+#                               one of them built with KVEVICT_OPENMP (each must run its own threading mode)
 
 set(_kvevict_include_root "${PROJECT_SOURCE_DIR}/include")
 file(GLOB_RECURSE KVEVICT_PUBLIC_HEADERS CONFIGURE_DEPENDS RELATIVE "${_kvevict_include_root}"
@@ -42,11 +43,25 @@ if("cxx_std_20" IN_LIST CMAKE_CXX_COMPILE_FEATURES)
   _kvevict_add_header_check(kvevict_header_check_cxx20 20 "${_kvevict_header_check_dir}/kvevict_kvevict_hpp.cpp")
 endif()
 
+# Unit A with KVEVICT_OPENMP (and OpenMP) where the compiler has it, unit B without: both threading modes in one
+# program (core/config.hpp's inline namespace keeps their code apart).
+add_library(kvevict_odr_unit_a OBJECT ${CMAKE_CURRENT_SOURCE_DIR}/headers/odr_a.cpp)
+target_link_libraries(kvevict_odr_unit_a PRIVATE kvevict::kvevict kvevict_warnings)
+set_target_properties(kvevict_odr_unit_a PROPERTIES CXX_EXTENSIONS OFF)
 add_executable(kvevict_odr_test
   ${CMAKE_CURRENT_SOURCE_DIR}/headers/odr_main.cpp
-  ${CMAKE_CURRENT_SOURCE_DIR}/headers/odr_a.cpp
-  ${CMAKE_CURRENT_SOURCE_DIR}/headers/odr_b.cpp)
+  ${CMAKE_CURRENT_SOURCE_DIR}/headers/odr_b.cpp
+  $<TARGET_OBJECTS:kvevict_odr_unit_a>)
 target_link_libraries(kvevict_odr_test PRIVATE kvevict::kvevict kvevict_warnings)
 set_target_properties(kvevict_odr_test PROPERTIES CXX_EXTENSIONS OFF)
+if(NOT KVEVICT_OPENMP)
+  find_package(OpenMP QUIET)
+  if(TARGET OpenMP::OpenMP_CXX)
+    target_compile_definitions(kvevict_odr_unit_a PRIVATE KVEVICT_OPENMP)
+    target_link_libraries(kvevict_odr_unit_a PRIVATE OpenMP::OpenMP_CXX)
+    target_link_libraries(kvevict_odr_test PRIVATE OpenMP::OpenMP_CXX)
+    target_compile_definitions(kvevict_odr_test PRIVATE KVEVICT_ODR_MIXED_MODES)
+  endif()
+endif()
 add_test(NAME headers.odr COMMAND kvevict_odr_test)
 set_tests_properties(headers.odr PROPERTIES LABELS "headers")

@@ -3,6 +3,7 @@
 // linker sees every kvevict template instantiation (and any non-inline definition) twice.
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include <kvevict/kvevict.hpp>
@@ -14,6 +15,7 @@ namespace kvevict_odr {
 struct Result {
   std::vector<std::vector<std::int64_t>> indices;
   std::vector<std::vector<std::int64_t>> offsets;
+  std::string threading_mode;  // kvevict::detail::threading_mode() as this unit sees it
 };
 
 Result run_a();
@@ -60,6 +62,7 @@ Result run_presets() {
     r.indices.push_back(s.indices());
     r.offsets.push_back(s.offsets());
   }
+  r.threading_mode = kvevict::detail::threading_mode();
   return r;
 }
 

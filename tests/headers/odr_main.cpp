@@ -25,7 +25,18 @@ int main() {
         ++failures;
       }
     }
-    if (failures == 0) std::printf("odr: %zu selections agree across two translation units\n", expected);
+#if defined(KVEVICT_ODR_MIXED_MODES)
+    // Unit A is built with KVEVICT_OPENMP, unit B without: each must run its own mode's code. Without the inline
+    // namespace of core/config.hpp the linker would keep one definition of every shared template for both.
+    if (a.threading_mode != "openmp" || b.threading_mode != "serial") {
+      std::fprintf(stderr, "odr: threading modes merged: unit A runs '%s' (want openmp), unit B '%s' (want serial)\n",
+                   a.threading_mode.c_str(), b.threading_mode.c_str());
+      ++failures;
+    }
+#endif
+    if (failures == 0)
+      std::printf("odr: %zu selections agree across two translation units (modes: %s, %s)\n", expected,
+                  a.threading_mode.c_str(), b.threading_mode.c_str());
     return failures == 0 ? 0 : 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "odr: unexpected exception: %s\n", e.what());
