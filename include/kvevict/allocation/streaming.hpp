@@ -27,6 +27,10 @@ class StreamingLLM {
   StreamingLLM() = default;
   explicit StreamingLLM(const Params& params) : params_((params.validate("StreamingLLM::Params"), params)) {}
   const Params& params() const { return params_; }
+  const std::string& name() const {
+    static const std::string n = type_name;
+    return n;
+  }
   /// StreamingLLM reads only the keys' shape.
   static constexpr bool reads_observation() { return false; }
   bool reads_values() const { return false; }
