@@ -1,4 +1,4 @@
-# The `ci` configure preset (KVEVICT_CI=ON): the dev, clang, asan and fuzz workflows of CMakePresets.json as this build
+# The `ci` configure preset (KVEVICT_CI=ON): the format check, then the dev, clang, asan and fuzz workflows of CMakePresets.json as this build
 # tree's tests, run one after another by the `ci` test preset. CMake workflow presets allow a single configure
 # preset each, so `cmake --workflow --preset ci` (what CI and the README run) drives them through CTest:
 # each test runs `cmake --workflow --preset <name>` in the source tree, building into build/<name> exactly as a
@@ -14,6 +14,9 @@ set(KVEVICT_CI_WORKFLOWS "dev;clang;asan;fuzz" CACHE STRING "Workflow presets th
 set(KVEVICT_CI_TIMEOUT 5400 CACHE STRING "Seconds each workflow of the ci preset may take")
 
 enable_testing()
+# First, the formatting: any difference from .clang-format fails CI (scripts/format fixes it).
+add_test(NAME ci.format COMMAND "${PROJECT_SOURCE_DIR}/scripts/format" --check WORKING_DIRECTORY "${PROJECT_SOURCE_DIR}")
+set_tests_properties(ci.format PROPERTIES RUN_SERIAL TRUE TIMEOUT 600 LABELS "ci")
 set(_kvevict_ci_previous "")
 foreach(_workflow IN LISTS KVEVICT_CI_WORKFLOWS)
   add_test(NAME ci.${_workflow} COMMAND "${CMAKE_COMMAND}" --workflow --preset ${_workflow}

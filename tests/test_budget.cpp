@@ -1,4 +1,4 @@
-// core/budget.hpp: the three budget forms and their resolution against the context length (ALGORITHMS.md 1).
+// core/budget.hpp: the three budget forms and their resolution against the context length (docs/algorithms.md section 1).
 #include <catch2/catch.hpp>
 
 #include <kvevict/kvevict.hpp>

@@ -1,4 +1,4 @@
-// selectors/critical_selector.hpp and the CriticalKV presets (ALGORITHMS.md 2.4, 2.6 fraction forcing, section 3):
+// selectors/critical_selector.hpp and the CriticalKV presets (docs/algorithms.md section 2.4, 2.6 fraction forcing, section 3):
 // CriticalKV (head-adaptive base) and CriticalSnapKV (uniform base) against hand-worked selections and
 // kvevict_ref::criticalkv, in both quirk modes and every budget form, plus the properties every policy keeps.
 #include <catch2/catch.hpp>

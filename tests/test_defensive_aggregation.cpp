@@ -1,4 +1,4 @@
-// aggregation/defensive.hpp: DefensiveKV's worst-case aggregation with the adaptive prior floor (ALGORITHMS.md 2.3)
+// aggregation/defensive.hpp: DefensiveKV's worst-case aggregation with the adaptive prior floor (docs/algorithms.md section 2.3)
 // against hand-worked numbers and the float64 reference, and its structural properties.
 #include <catch2/catch.hpp>
 

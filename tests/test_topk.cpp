@@ -1,4 +1,4 @@
-// ranking/score_map.hpp and ranking/topk.hpp: tiers and the deterministic top-k of ALGORITHMS.md 2.7.
+// ranking/score_map.hpp and ranking/topk.hpp: tiers and the deterministic top-k of docs/algorithms.md section 2.7.
 #include <catch2/catch.hpp>
 
 #include <kvevict/extend.hpp>

@@ -1,4 +1,4 @@
-# Consumer tests (DESIGN.md "Build and packaging"): included from tests/CMakeLists.txt, so
+# Consumer tests: included from tests/CMakeLists.txt, so
 # CMAKE_CURRENT_SOURCE_DIR is tests/. Each test configures, builds and runs a tiny downstream project
 # (tests/package/<route>/) with this build's compiler and generator:
 #   package.find_package      cmake --install into <build>/tests/package/find_package/prefix, then

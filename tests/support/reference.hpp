@@ -1,7 +1,7 @@
 // kvevict reference implementation (tests only).
 //
 // Plain, obviously-correct float64 versions of the eviction stages of
-// shared/spec/ALGORITHMS.md, written independently of include/kvevict/ so that the
+// docs/algorithms.md, written independently of include/kvevict/ so that the
 // optimised library can be tested against it. Slow on purpose: every top-k is a full
 // std::sort with the spec's deterministic order (section 2.7).
 //

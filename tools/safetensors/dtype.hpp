@@ -17,13 +17,13 @@ enum class dtype { F64, F32, F16, BF16, I64, I32, U8, BOOL };
 
 inline std::size_t dtype_size(dtype t) {
   switch (t) {
-    case dtype::F64: return 8;
-    case dtype::F32: return 4;
-    case dtype::F16: return 2;
-    case dtype::BF16: return 2;
+    case dtype::F64:
     case dtype::I64: return 8;
+    case dtype::F32:
     case dtype::I32: return 4;
-    case dtype::U8: return 1;
+    case dtype::F16:
+    case dtype::BF16: return 2;
+    case dtype::U8:
     case dtype::BOOL: return 1;
   }
   throw error("invalid dtype enumerator " + std::to_string(static_cast<int>(t)) +

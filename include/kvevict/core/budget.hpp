@@ -1,5 +1,5 @@
 #pragma once
-/// Budgets (ALGORITHMS.md section 1): how many tokens each KV head keeps on average, window included.
+/// Budgets (docs/algorithms.md section 1): how many tokens each KV head keeps on average, window included.
 
 #include <cmath>
 #include <cstdint>

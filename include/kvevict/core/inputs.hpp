@@ -63,7 +63,7 @@ struct LayerShape {
 namespace kvevict::detail {
 
 
-/// Checks `in` against the rules of ALGORITHMS.md section 1 for a window of `window` queries; O(1).
+/// Checks `in` against the rules of docs/algorithms.md section 1 for a window of `window` queries; O(1).
 template <class KV, class Q, class W>
 extend::LayerShape validate_inputs(const LayerInputs<KV, Q, W>& in, Index window, const char* where) {
   const bool has_q = in.queries.heads() * in.queries.rows() * in.queries.cols() > 0;

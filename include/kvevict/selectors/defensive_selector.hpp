@@ -45,7 +45,7 @@ struct DefensiveSelector {
   const Params& params() const { return params_; }
   bool reads_values() const { return params_.value_term; }
 
-  /// Under reference_quirks the flat totals are int(L * (1 - cr) * Hkv) (ALGORITHMS.md section 1).
+  /// Under reference_quirks the flat totals are int(L * (1 - cr) * Hkv) (docs/algorithms.md section 1).
   void adjust_budget(extend::LayerBudget& budget, const extend::LayerShape& shape, const CommonParams& common,
                      const char* where) const {
     if (!common.reference_quirks) return;

@@ -32,12 +32,12 @@
 
 namespace kvevict {
 
-/// Parameters every scored policy has (ALGORITHMS.md 2.1-2.2 defaults of the kvpress family).
+/// Parameters every scored policy has (docs/algorithms.md section 2.1-2.2 defaults of the kvpress family).
 struct CommonParams {
   Index window = 32;               ///< w, the observation window (the last w prompt positions)
   Pooling pooling = Pooling::avg;  ///< smoothing along tokens (SnapKV's LongBench setting: max, kernel 7)
   Index kernel = 5;                ///< pooling kernel, odd
-  bool reference_quirks = false;   ///< reproduce the reference code's quirks (ALGORITHMS.md 2.6)
+  bool reference_quirks = false;   ///< reproduce the reference code's quirks (docs/algorithms.md section 2.6)
 
   void validate(const char* where) const {
     detail::require(window >= 1, where, "window must be >= 1, got ", window);
