@@ -15,7 +15,7 @@ enum class Pooling {
 
 inline const char* to_string(Pooling p) { return p == Pooling::avg ? "avg" : "max"; }
 
-}  // namespace kvevict::extend
+}  // namespace kvevict
 
 namespace kvevict::extend {
 

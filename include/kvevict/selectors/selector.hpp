@@ -17,7 +17,8 @@
 ///       safeguard). Errors go through detail::require(ok, where, ...) so that they name the policy.
 ///   template <class S>
 ///   void select(const Layer<S>&, const std::vector<Index>& budgets, KeepFlags& keep) const;
-///       selection phase: flags exactly budgets[h] tokens of every KV head h in keep [kv_heads, tokens]
+///       selection phase: sizes keep to [kv_heads, tokens] and clears it (it arrives empty or holding another
+///       layer's flags), then flags exactly budgets[h] tokens of every KV head h
 /// Scoring and selection are separate so that a layer-global allocator can score every layer first, allocate
 /// across layers, then select (plan, then apply).
 
