@@ -1,9 +1,11 @@
-// Selection time of every policy on one layer of real model shapes, with the baselines measured in the same process:
+// Selection time of every catalogue policy (kvevict::catalogue::entries()) on one layer of real model shapes, with
+// the baselines measured in the same process:
 //   x_floor    time / the window-attention GEMM alone (Q_win[q] K[q/G]^T for every query head)
 //   x_floors   (value-aware policies) time / (window-attention GEMM + the Gram-form value GEMM, V_h G_q for every
-//              query head): the sum of the two GEMM floors of issue 6
-//   x_naive    (at 32k tokens) the naive implementation's time / time (bench/naive.hpp: the spec stage by stage,
-//              materialised, full sorts); agree = fraction of the naive's kept tokens that the library keeps too
+//              query head): the sum of the two GEMM floors (the target is <= 1.5)
+//   x_naive    (at 32k tokens, policies with a naive implementation in bench/naive.hpp) the naive implementation's
+//              time / time (the spec stage by stage, materialised, full sorts); agree = fraction of the naive's kept
+//              tokens that the library keeps too
 //   extra_MiB  heap peak of one select above the level before it (naive_MiB: the same for the naive)
 // and, for single stages, the value term's throughput against a plain Eigen GEMM of the same FLOPs
 // (gemm_efficiency) and the mass forcing against the full sort it replaced (x_full_sort).
@@ -11,11 +13,13 @@
 //   build/release/bench/kvevict_bench --benchmark_counters_tabular=true
 //   build/release/bench/kvevict_bench --benchmark_filter='Llama.*/4096/' (one context)
 //
-// Names: BM_<policy>/<model>/<storage>/<L>/<keep %>; "-l2-gram": the L2 value term with the Gram matrices
-// precomputed once per layer (LayerInputs::w_o_gram), as an engine does at model load. Storage float32, float16
-// (Eigen::half) or bfloat16 for the keys, values, window queries and W_o; arithmetic in float. Built with
-// KVEVICT_OPENMP, the library (and Eigen's floor GEMMs) run on OpenMP threads, and x_threads = one thread's time /
-// time.
+// Names: BM_<row>/<storage>/<model>/<L>/<keep %>, one row per catalogue entry: "<name>" for the attention-only
+// policies; for the value-aware ones (entry.make().reads_values()) "<name>-l2" (value_norm = l2), "<name>-l2-gram"
+// (the same with the Gram matrices precomputed once per layer, LayerInputs::w_o_gram, as an engine does at model
+// load) and "<name>-l1" (the papers' value term, up to 32k). Storage f32 for every row, plus f16 (Eigen::half) and
+// bf16 for snapkv and bf16 for defensivekv-l2: keys, values, window queries and W_o in that type, arithmetic in
+// float. Built with KVEVICT_OPENMP, the library (and Eigen's floor GEMMs) run on OpenMP threads, and x_threads = one
+// thread's time / time.
 
 #include <benchmark/benchmark.h>
 
@@ -24,9 +28,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <numeric>
 #include <random>
+#include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <vector>
 
 #if defined(KVEVICT_OPENMP)
@@ -121,22 +129,30 @@ Floors measure_floors(const Model& m, Index L) {
   return out;
 }
 
-/// The policies, by name, with the value norm as a parameter where there is one.
-template <class P>
-P with_norm(kvevict::ValueNorm norm) {
-  typename P::Params p;
-  if constexpr (!std::is_same_v<P, kvevict::SnapKV> && !std::is_same_v<P, kvevict::AdaKV> &&
-                !std::is_same_v<P, kvevict::StreamingLLM>)
-    p.value_norm = norm;
-  return P(p);
+/// The knobs of a value-aware row: the catalogue default with this value norm.
+kvevict::Knobs with_value_norm(kvevict::ValueNorm norm) {
+  kvevict::Knobs k;
+  k.value_norm = norm;
+  return k;
 }
 
-/// x_naive is measured at this context only (issue 6's target; the naive value term takes ~15 s per layer there).
+/// One layer's selection with any policy: a layer-global one selects a model of that single layer (through
+/// kvevict::select_layers, as an engine would), a per-layer one calls select().
+template <class Policy, class KV, class Q, class W>
+kvevict::Selection select_one(const Policy& policy, const kvevict::LayerInputs<KV, Q, W>& in,
+                              const kvevict::Budget& budget) {
+  if constexpr (kvevict::budget_scope<Policy>() == kvevict::BudgetScope::model)
+    return std::move(kvevict::select_layers(policy, std::vector<kvevict::LayerInputs<KV, Q, W>>{in}, budget)[0]);
+  else
+    return policy.select(in, budget);
+}
+
+/// x_naive is measured at this context only (the target is >= 5x at 32k; the naive L1 value term takes ~15 s per
+/// layer there).
 constexpr Index kNaiveContext = 32768;
 
 template <class T, class Policy>
-void run_policy(benchmark::State& state, const Model& m, const Policy& policy, bool value_aware,
-                bool precomputed_gram = false) {
+void run_policy(benchmark::State& state, const Model& m, const Policy& policy, bool precomputed_gram) {
   const Index L = state.range(0);
   const double keep = static_cast<double>(state.range(1)) / 100.0;
   const auto budget = kvevict::Budget::keep_ratio(keep);
@@ -144,12 +160,7 @@ void run_policy(benchmark::State& state, const Model& m, const Policy& policy, b
   // The engine's per-layer W_o^T W_o, made once at model load (LayerInputs::w_o_gram), outside the timing.
   const auto gram = kvevict::OutputGram<kvevict::gram_scalar_t<T>>::compute(layer.in.w_o);
   if (precomputed_gram) layer.in.w_o_gram = &gram;
-  const auto select_once = [&]() -> kvevict::Selection {
-    if constexpr (std::is_same_v<Policy, kvevict::LayerDefensiveKV>)
-      return std::move(policy.select(std::vector<kvevict::LayerInputs<T>>{layer.in}, budget)[0]);
-    else
-      return policy.select(layer.in, budget);
-  };
+  const auto select_once = [&] { return select_one(policy, layer.in, budget); };
   double total = 0;
   for (auto _ : state) {
     total += seconds([&] { benchmark::DoNotOptimize(select_once().indices().data()); });
@@ -157,7 +168,7 @@ void run_policy(benchmark::State& state, const Model& m, const Policy& policy, b
   const double per_iter = total / static_cast<double>(state.iterations());
   const Floors floors = measure_floors(m, L);
   state.counters["x_floor"] = per_iter / floors.window;
-  if (value_aware) state.counters["x_floors"] = per_iter / (floors.window + floors.gram);
+  if (policy.reads_values()) state.counters["x_floors"] = per_iter / (floors.window + floors.gram);
 #if defined(KVEVICT_OPENMP)
   // Speed-up of the OpenMP threads over one thread, in this process (best of 2 single-threaded selects).
   const int threads = omp_get_max_threads();
@@ -170,19 +181,22 @@ void run_policy(benchmark::State& state, const Model& m, const Policy& policy, b
   const auto level = heap::mark();
   const kvevict::Selection sel = select_once();
   state.counters["extra_MiB"] = static_cast<double>(heap::peak_since(level)) / 1048576.0;
-  if (L == kNaiveContext) {
-    const auto n_kept = kvevict_ref::n_kept_from_keep_ratio(L, keep);
-    const auto naive_level = heap::mark();
-    Kept kept;
-    const double naive_time = seconds([&] { kept = naive::select(policy, layer.in, n_kept); });
-    state.counters["naive_MiB"] = static_cast<double>(heap::peak_since(naive_level)) / 1048576.0;
-    state.counters["x_naive"] = naive_time / per_iter;  // >= 5 is issue 6's target at 32k
-    state.counters["agree"] = naive::agreement(kept, sel);
+  // Policies without a naive implementation (naive::has_select) skip x_naive, agree and naive_MiB.
+  if constexpr (naive::has_select_v<Policy, kvevict::LayerInputs<T>>) {
+    if (L == kNaiveContext) {
+      const auto n_kept = kvevict_ref::n_kept_from_keep_ratio(L, keep);
+      const auto naive_level = heap::mark();
+      Kept kept;
+      const double naive_time = seconds([&] { kept = naive::select(policy, layer.in, n_kept); });
+      state.counters["naive_MiB"] = static_cast<double>(heap::peak_since(naive_level)) / 1048576.0;
+      state.counters["x_naive"] = naive_time / per_iter;  // the target is >= 5x at 32k
+      state.counters["agree"] = naive::agreement(kept, sel);
+    }
   }
   state.SetLabel(std::string(m.name) + " " + storage_name<T>());
 }
 
-/// Issue 6's scaling target, time at 64k / time at 16k <= 4.5: the best of the iterations at each context,
+/// The scaling target, time at 64k / time at 16k <= 4.5: the best of the iterations at each context,
 /// interleaved in one process so that the machine's drift hits both alike; the window-attention floor's own
 /// ratio alongside (floor_64k_over_16k).
 template <class Policy>
@@ -190,7 +204,7 @@ void BM_Scaling(benchmark::State& state, const Model& m, const Policy& policy) {
   const auto budget = kvevict::Budget::keep_ratio(0.1);
   const Layer<float> small(m, 16384), large(m, 65536);
   const auto time = [&](const Layer<float>& l) {
-    return seconds([&] { benchmark::DoNotOptimize(policy.select(l.in, budget).indices().data()); });
+    return seconds([&] { benchmark::DoNotOptimize(select_one(policy, l.in, budget).indices().data()); });
   };
   double t16 = 1e30, t64 = 1e30;
   for (auto _ : state) {
@@ -213,7 +227,8 @@ void BM_ValueTerm(benchmark::State& state, const Model& m, kvevict::ValueNorm no
   for (auto _ : state) {
     total += seconds([&] {
       if (norm == kvevict::ValueNorm::l2) gram = kvevict::OutputGram<float>::compute(layer.in.w_o);
-      benchmark::DoNotOptimize(kvevict::extend::value_norms<float>(layer.in.values, layer.in.w_o, G, norm, &gram).data());
+      benchmark::DoNotOptimize(
+          kvevict::extend::value_norms<float>(layer.in.values, layer.in.w_o, G, norm, &gram).data());
     });
   }
   const double per_iter = total / static_cast<double>(state.iterations());
@@ -228,14 +243,15 @@ void BM_ValueTerm(benchmark::State& state, const Model& m, kvevict::ValueNorm no
       }
     benchmark::DoNotOptimize(out.data());
   });
-  state.counters["gemm_efficiency"] = gemm / per_iter;  // >= 0.6 is issue 6's target for L1
+  state.counters["gemm_efficiency"] = gemm / per_iter;  // the target is >= 0.6 for L1
   state.counters["GFLOP/s"] = 2.0 * static_cast<double>(m.H * L * m.d * cols) / per_iter / 1e9;
   state.SetLabel(std::string(m.name) + (norm == kvevict::ValueNorm::l1 ? " L1" : " L2 (Gram)"));
 }
 
-/// Stage 2.6 alone (MassStatistics::forced_tokens for every KV head, corrected cap at keep 20 %) against what it
-/// replaced, a full sort of each head's P tokens. Attention rows: "diffuse" (uniform random, the 90 % mass set is
-/// most of P: the worst case) or "peaked" (power-law over a random permutation, like real heads).
+/// Stage 2.6 alone (docs/algorithms.md section 2.6: MassStatistics::forced_tokens for every KV head, corrected cap
+/// at keep 20 %) against what it replaced, a full sort of each head's P tokens. Attention rows: "diffuse" (uniform
+/// random, the 90 % mass set is most of P: the worst case) or "peaked" (power-law over a random permutation, like
+/// real heads).
 void BM_MassForcing(benchmark::State& state, const Model& m, bool peaked) {
   const Index L = state.range(0), P = L - kWindow, G = m.H / m.Hkv;
   const kvevict::extend::LayerShape shape{m.H, m.Hkv, G, L, kWindow, P, m.d};
@@ -288,93 +304,95 @@ void BM_WindowAttentionFloor(benchmark::State& state, const Model& m) {
   state.SetLabel(std::string(m.name) + " best of 3 inside");
 }
 
+const std::vector<Index> kContexts = {4096, 16384, 32768, 65536};
+
+/// Runs `b` at every context up to max_L, keep 10 % and 20 %.
+void policy_args(benchmark::internal::Benchmark* b, Index max_L) {
+  for (Index L : kContexts)
+    if (L <= max_L)
+      for (Index keep : {10, 20}) b->Args({L, keep});
+  b->Unit(benchmark::kMillisecond)->UseRealTime();
+}
+
+/// BM_<row>/<storage>/<model>: `policy` on storage T.
+template <class T, class Policy>
+void register_policy(const std::string& row, const Model& m, const Policy& policy, Index max_L,
+                     bool precomputed_gram = false) {
+  const std::string name = "BM_" + row + "/" + storage_name<T>() + "/" + m.name;
+  policy_args(benchmark::RegisterBenchmark(name.c_str(),
+                                           [m, policy, precomputed_gram](benchmark::State& s) {
+                                             run_policy<T>(s, m, policy, precomputed_gram);
+                                           }),
+              max_L);
+}
+
+/// Calls f(entry) for the named catalogue entry; a name the catalogue no longer has is an error, not a silently
+/// missing row.
+template <class F>
+void visit_entry(std::string_view name, F&& f) {
+  if (!kvevict::catalogue::visit(name, f))
+    throw std::logic_error("kvevict_bench: no catalogue entry \"" + std::string(name) + "\" (catalogue: " +
+                           kvevict::catalogue::names(kvevict::catalogue::entries()) + ")");
+}
+
 void register_all() {
-  const std::vector<Index> contexts = {4096, 16384, 32768, 65536};
-  const auto args = [&](benchmark::internal::Benchmark* b, Index max_L) {
-    for (Index L : contexts)
-      if (L <= max_L)
-        for (Index keep : {10, 20}) b->Args({L, keep});
-    b->Unit(benchmark::kMillisecond)->UseRealTime();
-  };
+  using kvevict::ValueNorm;
+  const kvevict::Knobs l1 = with_value_norm(ValueNorm::l1), l2 = with_value_norm(ValueNorm::l2);
   for (const Model* m : {&kLlama8B, &kQwen32B}) {
     const std::string model = m->name;
-    const auto reg = [&](const std::string& name, auto fn, Index max_L) {
-      args(benchmark::RegisterBenchmark(("BM_" + name + "/" + model).c_str(), fn), max_L);
-    };
     const Model mm = *m;
-    // Attention-only policies, every storage type.
-    reg("snapkv/f32", [mm](benchmark::State& s) { run_policy<float>(s, mm, kvevict::SnapKV{}, false); }, 65536);
-    reg("snapkv/f16", [mm](benchmark::State& s) { run_policy<Eigen::half>(s, mm, kvevict::SnapKV{}, false); }, 65536);
-    reg("snapkv/bf16", [mm](benchmark::State& s) { run_policy<Eigen::bfloat16>(s, mm, kvevict::SnapKV{}, false); },
-        65536);
-    reg("adakv/f32", [mm](benchmark::State& s) { run_policy<float>(s, mm, kvevict::AdaKV{}, false); }, 65536);
-    reg("streamingllm/f32", [mm](benchmark::State& s) { run_policy<float>(s, mm, kvevict::StreamingLLM{}, false); },
-        65536);
-    // Value-aware policies: the Gram (L2) form at every context, the papers' L1 form up to 32k (O(H L d D): ~10 s
-    // per layer at 32k).
-    using kvevict::ValueNorm;
-    reg("criticalkv-l2/f32",
-        [mm](benchmark::State& s) { run_policy<float>(s, mm, with_norm<kvevict::CriticalKV>(ValueNorm::l2), true); },
-        65536);
-    reg("defensivekv-l2/f32",
-        [mm](benchmark::State& s) { run_policy<float>(s, mm, with_norm<kvevict::DefensiveKV>(ValueNorm::l2), true); },
-        65536);
-    reg("layer-defensivekv-l2/f32",
-        [mm](benchmark::State& s) {
-          run_policy<float>(s, mm, with_norm<kvevict::LayerDefensiveKV>(ValueNorm::l2), true);
-        },
-        65536);
-    reg("criticalkv-l2-gram/f32",
-        [mm](benchmark::State& s) {
-          run_policy<float>(s, mm, with_norm<kvevict::CriticalKV>(ValueNorm::l2), true, true);
-        },
-        65536);
-    reg("defensivekv-l2-gram/f32",
-        [mm](benchmark::State& s) {
-          run_policy<float>(s, mm, with_norm<kvevict::DefensiveKV>(ValueNorm::l2), true, true);
-        },
-        65536);
-    reg("defensivekv-l2/bf16",
-        [mm](benchmark::State& s) {
-          run_policy<Eigen::bfloat16>(s, mm, with_norm<kvevict::DefensiveKV>(ValueNorm::l2), true);
-        },
-        65536);
-    reg("criticalkv-l1/f32",
-        [mm](benchmark::State& s) { run_policy<float>(s, mm, with_norm<kvevict::CriticalKV>(ValueNorm::l1), true); },
-        32768);
-    reg("defensivekv-l1/f32",
-        [mm](benchmark::State& s) { run_policy<float>(s, mm, with_norm<kvevict::DefensiveKV>(ValueNorm::l1), true); },
-        32768);
+    // Every catalogue policy on f32. Value-aware ones: the Gram (L2) form at every context, with and without the
+    // engine's precomputed Gram, and the papers' L1 form up to 32k (O(H L d D): ~10 s per layer at 32k).
+    kvevict::catalogue::for_each(kvevict::catalogue::entries(), [&](const auto& entry) {
+      const std::string name(entry.name);
+      if (!entry.make().reads_values()) {
+        register_policy<float>(name, mm, entry.make(), 65536);
+        return;
+      }
+      register_policy<float>(name + "-l2", mm, entry.make(l2), 65536);
+      register_policy<float>(name + "-l2-gram", mm, entry.make(l2), 65536, /*precomputed_gram=*/true);
+      register_policy<float>(name + "-l1", mm, entry.make(l1), 32768);
+    });
+    // Other storage types: the attention-only path (snapkv) and a value-aware one (defensivekv-l2).
+    visit_entry("snapkv", [&](const auto& entry) {
+      register_policy<Eigen::half>("snapkv", mm, entry.make(), 65536);
+      register_policy<Eigen::bfloat16>("snapkv", mm, entry.make(), 65536);
+    });
+    visit_entry("defensivekv", [&](const auto& entry) {
+      register_policy<Eigen::bfloat16>("defensivekv-l2", mm, entry.make(l2), 65536);
+    });
     // Stages.
     for (auto norm : {ValueNorm::l1, ValueNorm::l2}) {
       auto* b = benchmark::RegisterBenchmark(
           ("BM_value_term_" + std::string(kvevict::to_string(norm)) + "/" + model).c_str(),
           [mm, norm](benchmark::State& s) { BM_ValueTerm(s, mm, norm); });
-      for (Index L : contexts)
+      for (Index L : kContexts)
         if (norm == ValueNorm::l2 || L <= 16384) b->Arg(L);
       b->Unit(benchmark::kMillisecond)->UseRealTime();
     }
-    const auto scaling = [&](const std::string& name, auto policy) {
-      benchmark::RegisterBenchmark(("BM_scaling/" + name + "/" + model).c_str(),
-                                   [mm, policy](benchmark::State& s) { BM_Scaling(s, mm, policy); })
-          ->Iterations(3)
-          ->Unit(benchmark::kMillisecond)
-          ->UseRealTime();
+    const auto scaling = [&](const std::string& row, std::string_view policy, const kvevict::Knobs& knobs) {
+      visit_entry(policy, [&](const auto& entry) {
+        benchmark::RegisterBenchmark(("BM_scaling/" + row + "/" + model).c_str(),
+                                     [mm, p = entry.make(knobs)](benchmark::State& s) { BM_Scaling(s, mm, p); })
+            ->Iterations(3)
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+      });
     };
-    scaling("snapkv", kvevict::SnapKV{});
-    scaling("adakv", kvevict::AdaKV{});
-    scaling("criticalkv-l2", with_norm<kvevict::CriticalKV>(ValueNorm::l2));
-    scaling("defensivekv-l2", with_norm<kvevict::DefensiveKV>(ValueNorm::l2));
+    scaling("snapkv", "snapkv", {});
+    scaling("adakv", "adakv", {});
+    scaling("criticalkv-l2", "criticalkv", l2);
+    scaling("defensivekv-l2", "defensivekv", l2);
     for (bool peaked : {false, true}) {
       auto* b = benchmark::RegisterBenchmark(
           ("BM_mass_forcing/" + std::string(peaked ? "peaked/" : "diffuse/") + model).c_str(),
           [mm, peaked](benchmark::State& s) { BM_MassForcing(s, mm, peaked); });
-      for (Index L : contexts) b->Arg(L);
+      for (Index L : kContexts) b->Arg(L);
       b->Unit(benchmark::kMillisecond)->UseRealTime();
     }
     auto* f = benchmark::RegisterBenchmark(("BM_window_attention_floor/" + model).c_str(),
                                            [mm](benchmark::State& s) { BM_WindowAttentionFloor(s, mm); });
-    for (Index L : contexts) f->Arg(L);
+    for (Index L : kContexts) f->Arg(L);
     f->Unit(benchmark::kMillisecond)->UseRealTime();
   }
 }
@@ -382,7 +400,12 @@ void register_all() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  register_all();
+  try {
+    register_all();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 1;
+  }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

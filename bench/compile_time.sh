@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 6's compile-time target: bench/compile_time.cpp (the umbrella header, select() of every preset) must compile
-# in under 20 s. Times it with g++ and clang++ at the dev and the release flags, for float storage (the target) and
-# for float, half, bfloat16 and double storage (-DKVEVICT_PROBE_EVERY_STORAGE):
+# The compile-time target: bench/compile_time.cpp (the umbrella header, select() of every catalogue preset) must
+# compile in under 20 s. Times it with g++ and clang++ at the dev and the release flags, for float storage (the
+# target) and for float, half, bfloat16 and double storage (-DKVEVICT_PROBE_EVERY_STORAGE):
 #   bench/compile_time.sh   (run on an idle machine: the times are wall-clock)
 set -euo pipefail
 cd "$(dirname "$0")/.."
