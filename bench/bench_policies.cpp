@@ -62,9 +62,12 @@ constexpr Index kWindow = 32;
 
 template <class T>
 const char* storage_name() {
-  if constexpr (std::is_same_v<T, float>) return "f32";
-  else if constexpr (std::is_same_v<T, Eigen::half>) return "f16";
-  else return "bf16";
+  if constexpr (std::is_same_v<T, float>)
+    return "f32";
+  else if constexpr (std::is_same_v<T, Eigen::half>)
+    return "f16";
+  else
+    return "bf16";
 }
 
 /// One layer in storage T: window queries [H, w, d], keys and values tokens-major [L, Hkv, d] (an engine's
@@ -331,8 +334,8 @@ void register_policy(const std::string& row, const Model& m, const Policy& polic
 template <class F>
 void visit_entry(std::string_view name, F&& f) {
   if (!kvevict::catalogue::visit(name, f))
-    throw std::logic_error("kvevict_bench: no catalogue entry \"" + std::string(name) + "\" (catalogue: " +
-                           kvevict::catalogue::names(kvevict::catalogue::entries()) + ")");
+    throw std::logic_error("kvevict_bench: no catalogue entry \"" + std::string(name) +
+                           "\" (catalogue: " + kvevict::catalogue::names(kvevict::catalogue::entries()) + ")");
 }
 
 void register_all() {
@@ -363,9 +366,9 @@ void register_all() {
     });
     // Stages.
     for (auto norm : {ValueNorm::l1, ValueNorm::l2}) {
-      auto* b = benchmark::RegisterBenchmark(
-          ("BM_value_term_" + std::string(kvevict::to_string(norm)) + "/" + model).c_str(),
-          [mm, norm](benchmark::State& s) { BM_ValueTerm(s, mm, norm); });
+      auto* b =
+          benchmark::RegisterBenchmark(("BM_value_term_" + std::string(kvevict::to_string(norm)) + "/" + model).c_str(),
+                                       [mm, norm](benchmark::State& s) { BM_ValueTerm(s, mm, norm); });
       for (Index L : kContexts)
         if (norm == ValueNorm::l2 || L <= 16384) b->Arg(L);
       b->Unit(benchmark::kMillisecond)->UseRealTime();

@@ -40,7 +40,7 @@ struct Shape {
 template <class KV, class Q, class W>
 Shape shape_of(const kvevict::LayerInputs<KV, Q, W>& in) {
   return {static_cast<int>(in.queries.heads()), static_cast<int>(in.keys.heads()), static_cast<int>(in.queries.rows()),
-          static_cast<int>(in.keys.rows()), static_cast<int>(in.keys.cols()), static_cast<int>(in.w_o.rows())};
+          static_cast<int>(in.keys.rows()),     static_cast<int>(in.keys.cols()),  static_cast<int>(in.w_o.rows())};
 }
 
 /// attn [H][w][L] in double (the reference's layout), logits from a float GEMM.
@@ -73,7 +73,7 @@ std::vector<double> value_norms(const kvevict::LayerInputs<KV, Q, W>& in, const 
   std::vector<double> n(static_cast<std::size_t>(s.Hkv) * s.L, 0.0);
   FloatMatrix projected;
   for (int q = 0; q < s.H; ++q) {
-    const FloatMatrix w_o = in.w_o.head(q).template cast<float>();  // [D, d]
+    const FloatMatrix w_o = in.w_o.head(q).template cast<float>();                         // [D, d]
     projected.noalias() = in.values.head(q / G).template cast<float>() * w_o.transpose();  // [L, D]
     for (int j = 0; j < s.L; ++j) {
       double acc = 0;
@@ -142,9 +142,9 @@ std::pair<std::vector<double>, std::vector<std::vector<std::int64_t>>> defensive
   const auto attn = window_attention(in, s);
   auto m = kvevict_ref::defensive_scores(attn, s.H, s.Hkv, s.w, s.L, static_cast<int>(c.kernel), pool_of(c.pooling),
                                          p.floor);
-  auto sprime = p.value_term ? kvevict_ref::defensive_value_scores(m, value_norms(in, s, p.value_norm), s.Hkv, s.w,
-                                                                   s.L, true)
-                             : std::move(m);
+  auto sprime = p.value_term
+                    ? kvevict_ref::defensive_value_scores(m, value_norms(in, s, p.value_norm), s.Hkv, s.w, s.L, true)
+                    : std::move(m);
   auto forced = p.mass_forcing
                     ? kvevict_ref::mass_forced(attn, s.H, s.Hkv, s.w, s.L, p.mass_threshold, n_kept, false, 0.0)
                     : std::vector<std::vector<std::int64_t>>{};
@@ -183,9 +183,10 @@ inline double agreement(const Kept& naive, const kvevict::Selection& sel) {
 template <class Policy, class Inputs, class = void>
 struct has_select : std::false_type {};
 template <class Policy, class Inputs>
-struct has_select<Policy, Inputs,
-                  std::void_t<decltype(naive::select(std::declval<const Policy&>(), std::declval<const Inputs&>(),
-                                                     std::int64_t{}))>> : std::true_type {};
+struct has_select<
+    Policy, Inputs,
+    std::void_t<decltype(naive::select(std::declval<const Policy&>(), std::declval<const Inputs&>(), std::int64_t{}))>>
+    : std::true_type {};
 template <class Policy, class Inputs>
 constexpr bool has_select_v = has_select<Policy, Inputs>::value;
 

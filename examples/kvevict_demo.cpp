@@ -51,9 +51,9 @@ using Compressor = std::function<std::vector<kvevict::Selection>(const Engine&, 
 
 struct PolicyEntry {
   std::string name;
-  Compressor compress;  // empty: the full cache, no eviction
+  Compressor compress;                                      // empty: the full cache, no eviction
   kvevict::BudgetScope scope = kvevict::BudgetScope::head;  // checked after every compression
-  bool ablation = false;  // run only when named in --policies or with --ablations
+  bool ablation = false;                                    // run only when named in --policies or with --ablations
 };
 
 /// The catalogue's policy `base` with `knobs` applied, under `name`.
@@ -75,8 +75,9 @@ PolicyEntry entry(const std::string& name, const std::string& base, const kvevic
 const std::vector<PolicyEntry>& all_policies() {
   static const std::vector<PolicyEntry> policies = [] {
     std::vector<PolicyEntry> list = {{"full", {}}};
-    kvevict::catalogue::for_each(kvevict::catalogue::entries(),
-                                 [&](const auto& e) { list.push_back(entry(std::string(e.name), std::string(e.name))); });
+    kvevict::catalogue::for_each(kvevict::catalogue::entries(), [&](const auto& e) {
+      list.push_back(entry(std::string(e.name), std::string(e.name)));
+    });
     kvevict::Knobs l2, no_value, no_mass, safeguard;
     l2.value_norm = kvevict::ValueNorm::l2;
     no_value.value_term = false;

@@ -11,16 +11,15 @@
 // ---- the README snippet (keep in sync) ------------------------------------------------------------------------
 // One layer, after its prefill attention ran with the full cache. Views, no copies:
 //   q_win [H, w, d] post-RoPE queries of the last w prompt positions; k, v [L, Hkv, d] (token-major cache).
-kvevict::Selection evict_layer(const float* q_win, float* k, float* v, const float* w_o,
-                               kvevict::Index H, kvevict::Index Hkv, kvevict::Index L, kvevict::Index d,
-                               kvevict::Index hidden) {
+kvevict::Selection evict_layer(const float* q_win, float* k, float* v, const float* w_o, kvevict::Index H,
+                               kvevict::Index Hkv, kvevict::Index L, kvevict::Index d, kvevict::Index hidden) {
   kvevict::LayerInputs<float> in;
   in.queries = kvevict::HeadsView<const float>::heads_major(q_win, H, 32, d);
   in.keys = kvevict::kv_tokens_major<const float>(k, L, Hkv, d);
   in.values = kvevict::kv_tokens_major<const float>(v, L, Hkv, d);
   in.w_o = kvevict::output_projection(w_o, hidden, H, d);  // W_o [hidden, H * d]
 
-  static const kvevict::CriticalKV policy;                 // window 32, avg pooling, kernel 5, alpha 0.2
+  static const kvevict::CriticalKV policy;  // window 32, avg pooling, kernel 5, alpha 0.2
   kvevict::Selection kept = policy.select(in, kvevict::Budget::keep_ratio(0.2));
 
   // Compact in place: head h's kept rows move to rows [0, kept.length(h)), original order kept.
@@ -33,13 +32,13 @@ kvevict::Selection evict_layer(const float* q_win, float* k, float* v, const flo
 // ---- README: a Hugging Face cache (keep in sync) ---------------------------------------------------------------
 // Head-major [Hkv, L, d] keys and values in fp16 (as DynamicCache holds them), fp32 window queries [H, w, d]:
 // each group of tensors has its own storage type, LayerInputs<KV, Q = KV, W = Q>.
-kvevict::Selection evict_hf_layer(const Eigen::half* k, const Eigen::half* v, const float* q_win,
-                                  kvevict::Index H, kvevict::Index Hkv, kvevict::Index L, kvevict::Index d) {
+kvevict::Selection evict_hf_layer(const Eigen::half* k, const Eigen::half* v, const float* q_win, kvevict::Index H,
+                                  kvevict::Index Hkv, kvevict::Index L, kvevict::Index d) {
   kvevict::LayerInputs<Eigen::half, float> in;
   in.queries = kvevict::HeadsView<const float>::heads_major(q_win, H, 32, d);
   in.keys = kvevict::kv_heads_major(k, Hkv, L, d);
   in.values = kvevict::kv_heads_major(v, Hkv, L, d);
-  static const kvevict::AdaKV policy;  // attention only: values and W_o are not read
+  static const kvevict::AdaKV policy;                                 // attention only: values and W_o are not read
   return policy.select(in, kvevict::Budget::compression_ratio(0.8));  // n_kept = int(L * 0.2)
 }
 // ----------------------------------------------------------------------------------------------------------------
@@ -63,7 +62,8 @@ int main() {
     for (float& e : x) e = normal(rng);
     return x;
   };
-  const std::vector<float> q = random(static_cast<std::size_t>(H * 32 * d)), w_o = random(static_cast<std::size_t>(hidden * H * d));
+  const std::vector<float> q = random(static_cast<std::size_t>(H * 32 * d)),
+                           w_o = random(static_cast<std::size_t>(hidden * H * d));
   std::vector<float> k = random(static_cast<std::size_t>(L * Hkv * d)), v = random(k.size());
   const std::vector<float> k0 = k;
 
@@ -75,7 +75,8 @@ int main() {
     for (kvevict::Index r = 0; r < kept.length(h); ++r)
       for (kvevict::Index c = 0; c < d; ++c) {
         const auto j = static_cast<kvevict::Index>(kept.head(h)[r]);
-        errors += k[static_cast<std::size_t>((r * Hkv + h) * d + c)] != k0[static_cast<std::size_t>((j * Hkv + h) * d + c)];
+        errors +=
+            k[static_cast<std::size_t>((r * Hkv + h) * d + c)] != k0[static_cast<std::size_t>((j * Hkv + h) * d + c)];
       }
   // The Hugging Face layout in fp16: the same selection as float storage of the same values.
   const std::vector<Eigen::half> kh(k0.begin(), k0.end()), vh(v.begin(), v.end());

@@ -1,4 +1,5 @@
-// core/budget.hpp: the three budget forms and their resolution against the context length (docs/algorithms.md section 1).
+// core/budget.hpp: the three budget forms and their resolution against the context length (docs/algorithms.md section
+// 1).
 #include <catch2/catch.hpp>
 
 #include <kvevict/kvevict.hpp>
@@ -48,8 +49,8 @@ TEST_CASE("ratio budgets truncate toward zero in double precision, like the refe
   int compared = 0;
   for (int t = 0; t < 3000; ++t) {
     const std::int64_t L = len(rng);
-    const double r = t % 3 == 0 ? static_cast<double>(std::uniform_int_distribution<int>(1, 99)(rng)) / 100.0
-                                : ratio(rng);
+    const double r =
+        t % 3 == 0 ? static_cast<double>(std::uniform_int_distribution<int>(1, 99)(rng)) / 100.0 : ratio(rng);
     const std::int64_t from_cr = kvevict_ref::n_kept_from_compression_ratio(L, r);
     const std::int64_t from_keep = kvevict_ref::n_kept_from_keep_ratio(L, r);
     if (from_cr >= 1) {
@@ -125,8 +126,8 @@ TEST_CASE("compression ratio must be in [0, 1)", "[budget][errors]") {
                          MessageContains("compression ratio must be in [0, 1), got 2"));
   REQUIRE_THROWS_MATCHES(Budget::compression_ratio(nan), kvevict::invalid_argument,
                          MessageContains("compression ratio must be in [0, 1), got"));
-  REQUIRE_THROWS_MATCHES(Budget::compression_ratio(-std::numeric_limits<double>::infinity()),
-                         kvevict::invalid_argument, MessageContains("compression ratio must be in [0, 1)"));
+  REQUIRE_THROWS_MATCHES(Budget::compression_ratio(-std::numeric_limits<double>::infinity()), kvevict::invalid_argument,
+                         MessageContains("compression ratio must be in [0, 1)"));
   CHECK_NOTHROW(Budget::compression_ratio(0.0));
   CHECK_NOTHROW(Budget::compression_ratio(std::nextafter(1.0, 0.0)));
 }

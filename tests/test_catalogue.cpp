@@ -68,16 +68,16 @@ TEST_CASE("catalogue: every entry is named once and makes its preset with the pr
     CHECK(made.reads_values() == plain.reads_values());
     // visit() finds it by name.
     bool visited = false;
-    CHECK(kvevict::catalogue::visit(e.name, [&](const auto& v) {
-      visited = std::is_same_v<typename std::decay_t<decltype(v)>::policy_type, P>;
-    }));
+    CHECK(kvevict::catalogue::visit(
+        e.name, [&](const auto& v) { visited = std::is_same_v<typename std::decay_t<decltype(v)>::policy_type, P>; }));
     CHECK(visited);
   });
   CHECK(count >= 8);  // the eight papers' presets, then whatever is added
   CHECK_FALSE(kvevict::catalogue::visit("nosuch", [](const auto&) {}));
   CHECK(kvevict::catalogue::names(kvevict::catalogue::entries())
             .rfind("streamingllm, snapkv, adakv, criticalkv, criticalkv-snapkv, defensivekv, layer-defensivekv, "
-                   "adakv-defensive", 0) == 0);
+                   "adakv-defensive",
+                   0) == 0);
 }
 
 TEST_CASE("catalogue: budget scopes, knob lists and knobs applied", "[catalogue]") {
@@ -92,9 +92,9 @@ TEST_CASE("catalogue: budget scopes, knob lists and knobs applied", "[catalogue]
   using Names = std::vector<std::string>;
   CHECK(kvevict::knob_names<kvevict::SnapKV::Params>() == Names{"window", "pooling", "kernel", "reference_quirks"});
   CHECK(kvevict::knob_names<kvevict::StreamingLLM::Params>() == Names{"sinks"});
-  CHECK(kvevict::knob_names<kvevict::CriticalKV::Params>() ==
-        Names{"window", "pooling", "kernel", "reference_quirks", "alpha", "adakv_variant", "eps", "first_stage_ratio",
-              "value_norm"});
+  CHECK(kvevict::knob_names<kvevict::CriticalKV::Params>() == Names{"window", "pooling", "kernel", "reference_quirks",
+                                                                    "alpha", "adakv_variant", "eps",
+                                                                    "first_stage_ratio", "value_norm"});
   CHECK(kvevict::knob_names<kvevict::LayerDefensiveKV::Params>() ==
         Names{"window", "pooling", "kernel", "reference_quirks", "mass_threshold", "value_norm", "floor", "value_term",
               "mass_forcing"});
@@ -108,10 +108,10 @@ TEST_CASE("catalogue: budget scopes, knob lists and knobs applied", "[catalogue]
   CHECK(d.params().window == 8);
   CHECK(d.params().alpha == 0.3);
   CHECK(d.params().value_norm == kvevict::ValueNorm::l2);
-  CHECK(d.params().kernel == 5);        // unset: the preset's default
+  CHECK(d.params().kernel == 5);  // unset: the preset's default
   CHECK(d.params().mass_threshold == 0.9);
   const kvevict::DefensiveKV plain;
-  CHECK(plain.params().alpha == 0.0);   // DefensiveKV's own default (flat top-k)
+  CHECK(plain.params().alpha == 0.0);  // DefensiveKV's own default (flat top-k)
   // Knobs out of range are refused by the preset, naming it.
   kvevict::Knobs bad;
   bad.first_stage_ratio = 2.0;
@@ -182,8 +182,8 @@ TEST_CASE("every scored preset works as the base of Policy<Base, Selector>, with
         typename Composed::Params p;
         p.window = s.w;
         const Composed composed(p);
-        CHECK(composed.name() == "Policy<" + kvevict::detail::name_of<Base>() + ", " +
-                                     kvevict::detail::name_of<Sel>() + ">");
+        CHECK(composed.name() ==
+              "Policy<" + kvevict::detail::name_of<Base>() + ", " + kvevict::detail::name_of<Sel>() + ">");
         for (std::int64_t n : {3, 6, 7, 40, 90}) {
           const Budget b = Budget::tokens(n);
           INFO("n_kept " << n);
@@ -286,7 +286,8 @@ void mixed_selects_as_float(Rng& rng, int cases) {
         plan.add(m.in);
         plan.add(m.wide.in);
         const std::vector<Selection> got = plan.apply();
-        const std::vector<Selection> want = policy.select(std::vector<kvevict::LayerInputs<float>>{m.wide.in, m.wide.in}, b);
+        const std::vector<Selection> want =
+            policy.select(std::vector<kvevict::LayerInputs<float>>{m.wide.in, m.wide.in}, b);
         CHECK(same(got, want));
       } else {
         CHECK(same(policy.select(m.in, b), policy.select(m.wide.in, b)));
@@ -297,9 +298,10 @@ void mixed_selects_as_float(Rng& rng, int cases) {
 
 }  // namespace
 
-TEST_CASE("an fp16 KV cache with fp32 queries (and fp32 or bf16 W_o) selects exactly as float storage of the same "
-          "values",
-          "[catalogue][half]") {
+TEST_CASE(
+    "an fp16 KV cache with fp32 queries (and fp32 or bf16 W_o) selects exactly as float storage of the same "
+    "values",
+    "[catalogue][half]") {
   Rng rng(1203);
   mixed_selects_as_float<Eigen::half, float, float>(rng, 12);
   mixed_selects_as_float<Eigen::half, float, Eigen::bfloat16>(rng, 8);

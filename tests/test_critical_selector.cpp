@@ -1,5 +1,5 @@
-// selectors/critical_selector.hpp and the CriticalKV presets (docs/algorithms.md section 2.4, 2.6 fraction forcing, section 3):
-// CriticalKV (head-adaptive base) and CriticalSnapKV (uniform base) against hand-worked selections and
+// selectors/critical_selector.hpp and the CriticalKV presets (docs/algorithms.md section 2.4, 2.6 fraction forcing,
+// section 3): CriticalKV (head-adaptive base) and CriticalSnapKV (uniform base) against hand-worked selections and
 // kvevict_ref::criticalkv, in both quirk modes and every budget form, plus the properties every policy keeps.
 #include <catch2/catch.hpp>
 
@@ -43,15 +43,15 @@ namespace {
 const std::vector<std::vector<double>> kRows = {
     {6, 18, 2, 12, 1, 8, 0, 3, 14, 0, 0, 0},  // q0
     {2, 22, 2, 12, 1, 8, 0, 3, 14, 0, 0, 0},  // q1: mean with q0 = a0
-    {16, 1, 3, 4, 7, 2, 5, 6, 20, 0, 0, 0},  // q2
-    {16, 1, 3, 4, 7, 2, 5, 6, 20, 0, 0, 0},  // q3
+    {16, 1, 3, 4, 7, 2, 5, 6, 20, 0, 0, 0},   // q2
+    {16, 1, 3, 4, 7, 2, 5, 6, 20, 0, 0, 0},   // q3
 };
 const Shape kShape{4, 2, 4, 12, 1};
 
 kvevict_test::HandLayer& hand_layer() {
   static kvevict_test::HandLayer layer(kShape, kvevict_test::repeated_rows(kRows, 4, 64.0),
-                                       {1, 1, 1, 1, 1, 1, 1, 1, 0.125, 1, 1, 1,      // KV 0 values
-                                        0.125, 2, 1, 1, 1, 1, 4, 1, 1, 0.25, 1, 1},  // KV 1 values
+                                       {1,     1, 1, 1, 1, 1, 1, 1, 0.125, 1,    1, 1,   // KV 0 values
+                                        0.125, 2, 1, 1, 1, 1, 4, 1, 1,     0.25, 1, 1},  // KV 1 values
                                        {1, 3, 0.5, 1.5});
   return layer;
 }
@@ -95,8 +95,8 @@ TEST_CASE("CriticalKV (adaptive base) on a hand-worked 2-KV-head, 12-token layer
   ap.kernel = 1;
   CHECK(kvevict_test::kept_of(kvevict::AdaKV(ap).select<double>(hand_layer().in, Budget::tokens(6))) == ada);
   // The reference agrees on all three (fed with the s and N written above).
-  const std::vector<double> s = {4. / 64, 20. / 64, 2. / 64, 12. / 64, 1. / 64, 8. / 64, 0, 3. / 64,
-                                 16. / 64, 1. / 64, 3. / 64, 4. / 64, 7. / 64, 2. / 64, 5. / 64, 6. / 64};
+  const std::vector<double> s = {4. / 64,  20. / 64, 2. / 64, 12. / 64, 1. / 64, 8. / 64, 0,       3. / 64,
+                                 16. / 64, 1. / 64,  3. / 64, 4. / 64,  7. / 64, 2. / 64, 5. / 64, 6. / 64};
   const std::vector<double> n = {2, 2, 2, 2, 2, 2, 2, 2, 0.25, 2, 2, 2, 0.125, 2, 1, 1, 1, 1, 4, 1, 1, 0.25, 1, 1};
   CHECK(kvevict_ref::criticalkv(s, n, 2, 4, 12, 6, true, 0.2, 1e-4, 0.5, false) ==
         Kept{{1, 3, 5, 8, 9, 10, 11}, {6, 8, 9, 10, 11}});
@@ -129,7 +129,8 @@ TEST_CASE("CriticalSnapKV (uniform base) on the hand-worked layer: stages, ratio
   CHECK(run(hand_policy<kvevict::CriticalSnapKV>(false, 0.0), 6) == Kept{{1, 3, 8, 9, 10, 11}, {4, 6, 8, 9, 10, 11}});
   CHECK(run(hand_policy<kvevict::CriticalSnapKV>(true, 0.0), 6) == Kept{{1, 3, 5, 9, 10, 11}, {4, 6, 7, 8, 10, 11}});
   // eps 1: s' ~ (1 + s) N, the value norm dominates. KV 1 stage 2: w8, then j6 (1.078 x 4), j1 (1.016 x 2) -- j4 out.
-  CHECK(run(hand_policy<kvevict::CriticalSnapKV>(false, 0.5, 1.0), 6) == Kept{{1, 3, 8, 9, 10, 11}, {1, 6, 8, 9, 10, 11}});
+  CHECK(run(hand_policy<kvevict::CriticalSnapKV>(false, 0.5, 1.0), 6) ==
+        Kept{{1, 3, 8, 9, 10, 11}, {1, 6, 8, 9, 10, 11}});
   // eps 0: s' = s N exactly; KV 0 token 6 has s = 0 and scores 0.
   CHECK(run(hand_policy<kvevict::CriticalSnapKV>(false, 0.0, 0.0), 12) ==
         Kept{{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}, {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}});
@@ -187,9 +188,10 @@ void sweep_shape(const Shape& s, int D, const SelKnobs& base, Rng& rng, int max_
 
 }  // namespace
 
-TEST_CASE("CriticalKV and CriticalSnapKV select<double> like the reference (shapes, kernels, poolings, norms, eps, "
-          "ratios, quirks, budget forms)",
-          "[critical_selector]") {
+TEST_CASE(
+    "CriticalKV and CriticalSnapKV select<double> like the reference (shapes, kernels, poolings, norms, eps, "
+    "ratios, quirks, budget forms)",
+    "[critical_selector]") {
   Rng rng(701);
   Sweep sw;
   const Shape shapes[] = {{1, 1, 1, 2, 16},  {2, 1, 4, 5, 16},   {8, 2, 32, 33, 16},  {8, 8, 4, 40, 16},
@@ -226,9 +228,10 @@ TEST_CASE("CriticalKV and CriticalSnapKV select<double> like the reference (shap
   CHECK(sw.forms[2] >= 20);
 }
 
-TEST_CASE("CriticalKV and CriticalSnapKV: budget accounting, window, order, determinism, layout and input-route "
-          "invariance (float)",
-          "[critical_selector]") {
+TEST_CASE(
+    "CriticalKV and CriticalSnapKV: budget accounting, window, order, determinism, layout and input-route "
+    "invariance (float)",
+    "[critical_selector]") {
   Rng rng(702);
   std::vector<Shape> shapes = {{8, 2, 32, 33, 16}, {4, 4, 1, 2, 16}, {8, 1, 4, 400, 16}};
   for (int i = 0; i < 3; ++i) {
@@ -248,10 +251,10 @@ TEST_CASE("CriticalKV and CriticalSnapKV: budget accounting, window, order, dete
       k.quirks = quirks;
       const auto ada = kvevict_test::make_policy<kvevict::CriticalKV>(s, k);
       const auto snap = kvevict_test::make_policy<kvevict::CriticalSnapKV>(s, k);
-      const auto ada_composed = kvevict_test::make_policy<kvevict::Policy<kvevict::HeadAdaptiveAllocation,
-                                                                          kvevict::CriticalSelector>>(s, k);
-      const auto snap_composed = kvevict_test::make_policy<kvevict::Policy<kvevict::UniformAllocation,
-                                                                           kvevict::CriticalSelector>>(s, k);
+      const auto ada_composed =
+          kvevict_test::make_policy<kvevict::Policy<kvevict::HeadAdaptiveAllocation, kvevict::CriticalSelector>>(s, k);
+      const auto snap_composed =
+          kvevict_test::make_policy<kvevict::Policy<kvevict::UniformAllocation, kvevict::CriticalSelector>>(s, k);
       const std::vector<std::int64_t> budgets = kvevict_test::some_budgets(s, rng, 3);
       for (std::int64_t n : budgets) {
         INFO(kvevict_test::describe(s) << " quirks=" << quirks << " n_kept=" << n);
@@ -262,7 +265,7 @@ TEST_CASE("CriticalKV and CriticalSnapKV: budget accounting, window, order, dete
         CHECK(kvevict_test::mask_errors(a) == "");
         CHECK(a.total() == s.Hkv * n);  // the head-adaptive base distributes exactly Hkv * n_kept
         for (Index h = 0; h < s.Hkv; ++h) CHECK(u.length(h) == n);  // uniform: n_kept per head
-        if (!quirks)                                                  // corrected: the window is always kept
+        if (!quirks)                                                // corrected: the window is always kept
           for (Index h = 0; h < s.Hkv; ++h) {
             const Index from = n >= s.w ? s.P() : s.L - n;
             for (Index j = from; j < s.L; ++j) {
@@ -283,7 +286,8 @@ TEST_CASE("CriticalKV and CriticalSnapKV: budget accounting, window, order, dete
   }
 }
 
-TEST_CASE("CriticalKV with first_stage_ratio 1 is AdaKV, CriticalSnapKV with ratio 1 is SnapKV", "[critical_selector]") {
+TEST_CASE("CriticalKV with first_stage_ratio 1 is AdaKV, CriticalSnapKV with ratio 1 is SnapKV",
+          "[critical_selector]") {
   Rng rng(703);
   for (int t = 0; t < 4; ++t) {
     Shape s = kvevict_test::random_shape(rng, 100);
@@ -301,10 +305,12 @@ TEST_CASE("CriticalKV with first_stage_ratio 1 is AdaKV, CriticalSnapKV with rat
       const std::vector<std::int64_t> budgets = kvevict_test::some_budgets(s, rng, 4);
       for (std::int64_t n : budgets) {
         INFO(kvevict_test::describe(s) << " quirks=" << quirks << " n_kept=" << n);
-        CHECK(kvevict_test::kept_of(kvevict_test::make_policy<kvevict::CriticalKV>(s, k).select<double>(
-                  st.in, Budget::tokens(n))) == kvevict_test::kept_of(kvevict::AdaKV(ap).select<double>(st.in, Budget::tokens(n))));
-        CHECK(kvevict_test::kept_of(kvevict_test::make_policy<kvevict::CriticalSnapKV>(s, k).select<double>(
-                  st.in, Budget::tokens(n))) == kvevict_test::kept_of(kvevict::SnapKV(sp).select<double>(st.in, Budget::tokens(n))));
+        CHECK(kvevict_test::kept_of(
+                  kvevict_test::make_policy<kvevict::CriticalKV>(s, k).select<double>(st.in, Budget::tokens(n))) ==
+              kvevict_test::kept_of(kvevict::AdaKV(ap).select<double>(st.in, Budget::tokens(n))));
+        CHECK(kvevict_test::kept_of(
+                  kvevict_test::make_policy<kvevict::CriticalSnapKV>(s, k).select<double>(st.in, Budget::tokens(n))) ==
+              kvevict_test::kept_of(kvevict::SnapKV(sp).select<double>(st.in, Budget::tokens(n))));
       }
     }
   }
@@ -321,17 +327,20 @@ TEST_CASE("CriticalKV parameters: defaults, validation, and quirks with any budg
   CHECK_FALSE(c.params().reference_quirks);
   static_assert(std::is_same_v<kvevict::CriticalKV::Allocation, kvevict::HeadAdaptiveAllocation>);
   static_assert(std::is_same_v<kvevict::CriticalSnapKV::Allocation, kvevict::UniformAllocation>);
-  static_assert(std::is_base_of_v<kvevict::Policy<kvevict::SnapKV, kvevict::CriticalSelector>, kvevict::CriticalSnapKV>);
+  static_assert(
+      std::is_base_of_v<kvevict::Policy<kvevict::SnapKV, kvevict::CriticalSelector>, kvevict::CriticalSnapKV>);
   static_assert(std::is_base_of_v<kvevict::Policy<kvevict::AdaKV, kvevict::CriticalSelector>, kvevict::CriticalKV>);
   static_assert(std::is_base_of_v<kvevict::LayerGlobalPolicy<kvevict::DefensiveSelector>, kvevict::LayerDefensiveKV>);
   using kvevict_test::MessageContains;
   for (double eps : {-1e-9, -1.0, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
     kvevict::CriticalKV::Params p;
     p.eps = eps;
-    REQUIRE_THROWS_MATCHES(kvevict::CriticalKV(p), kvevict::invalid_argument, MessageContains("eps must be finite and >= 0"));
+    REQUIRE_THROWS_MATCHES(kvevict::CriticalKV(p), kvevict::invalid_argument,
+                           MessageContains("eps must be finite and >= 0"));
     kvevict::CriticalSnapKV::Params q;
     q.eps = eps;
-    REQUIRE_THROWS_MATCHES(kvevict::CriticalSnapKV(q), kvevict::invalid_argument, MessageContains("kvevict::CriticalSnapKV::Params: eps"));
+    REQUIRE_THROWS_MATCHES(kvevict::CriticalSnapKV(q), kvevict::invalid_argument,
+                           MessageContains("kvevict::CriticalSnapKV::Params: eps"));
   }
   for (double r : {-0.1, 1.01, 2.0, std::numeric_limits<double>::quiet_NaN()}) {
     kvevict::CriticalKV::Params p;

@@ -1,5 +1,5 @@
-// aggregation/defensive.hpp: DefensiveKV's worst-case aggregation with the adaptive prior floor (docs/algorithms.md section 2.3)
-// against hand-worked numbers and the float64 reference, and its structural properties.
+// aggregation/defensive.hpp: DefensiveKV's worst-case aggregation with the adaptive prior floor (docs/algorithms.md
+// section 2.3) against hand-worked numbers and the float64 reference, and its structural properties.
 #include <catch2/catch.hpp>
 
 #include <kvevict/extend.hpp>
@@ -99,13 +99,11 @@ TEST_CASE("defensive aggregation on a hand-worked 2-KV-head, 12-token layer (ker
     std::vector<double> want;  // M [2, 8] in units of 1/32
   };
   // Kernel 3, avg (R per row = pooled row renormalised to the row's prefix mass):
-  //   q0 row 0 [0 8 0 0 4 0 0 0]: pooled [8 8 8 4 4 4 0 0]/3, sum 12 = mass (no edge mass) -> [8/3 8/3 8/3 4/3 4/3 4/3 0 0]
-  //   q0 row 1 [0 0 0 12 0 0 8 0] -> [0 0 4 4 4 8/3 8/3 8/3]
-  //   q0 row 2 [2 0 0 0 0 0 0 2]: pooled [2 2 0 0 0 0 2 2]/3, sum 8/3, mass 4 -> x 3/2 -> [1 1 0 0 0 0 1 1]
-  //   q0 row 3: no prefix mass -> pooled sum 0 -> zeros (no NaN)
-  //   q1 [0 0 6 0 0 0 0 0] -> [0 2 2 2 0 0 0 0]
-  //   M[0] = max = [8/3 8/3 4 4 4 8/3 8/3 8/3], mean 19/6 -> floor [19/6 19/6 4 4 4 19/6 19/6 19/6]
-  //   q2 row 0 [16 0 ...]: pooled [16 16 0 ...]/3, sum 32/3, mass 16 -> x 3/2 -> [8 8 0 0 0 0 0 0]
+  //   q0 row 0 [0 8 0 0 4 0 0 0]: pooled [8 8 8 4 4 4 0 0]/3, sum 12 = mass (no edge mass) -> [8/3 8/3 8/3 4/3 4/3 4/3
+  //   0 0] q0 row 1 [0 0 0 12 0 0 8 0] -> [0 0 4 4 4 8/3 8/3 8/3] q0 row 2 [2 0 0 0 0 0 0 2]: pooled [2 2 0 0 0 0 2
+  //   2]/3, sum 8/3, mass 4 -> x 3/2 -> [1 1 0 0 0 0 1 1] q0 row 3: no prefix mass -> pooled sum 0 -> zeros (no NaN) q1
+  //   [0 0 6 0 0 0 0 0] -> [0 2 2 2 0 0 0 0] M[0] = max = [8/3 8/3 4 4 4 8/3 8/3 8/3], mean 19/6 -> floor [19/6 19/6 4
+  //   4 4 19/6 19/6 19/6] q2 row 0 [16 0 ...]: pooled [16 16 0 ...]/3, sum 32/3, mass 16 -> x 3/2 -> [8 8 0 0 0 0 0 0]
   //   q2 rows 1-3 [0 0 0 0 0 3 3 0] -> [0 0 0 0 1 2 2 1];  q3 [0 0 9 0 0 0 3 0] -> [0 3 3 3 0 1 1 1]
   //   M[1] = [8 8 3 3 1 2 2 1], mean 7/2 -> floor [8 8 7/2 7/2 7/2 7/2 7/2 7/2]
   // Kernel 3, max: the same renormalised spikes, except q2 rows 1-3: pooled [0 0 0 0 3 3 3 3], sum 12, mass 6 ->
@@ -120,24 +118,26 @@ TEST_CASE("defensive aggregation on a hand-worked 2-KV-head, 12-token layer (ker
   //   M[0] = [24/13 60/23 36/13 36/13 100/23 100/23 40/23 40/23], M[1] = [16/3 16/3 16/3 36/19 48/19 4/3 4/3 4/3].
   const std::vector<Case> cases = {
       {3, Pooling::avg, false, {8. / 3, 8. / 3, 4, 4, 4, 8. / 3, 8. / 3, 8. / 3, 8, 8, 3, 3, 1, 2, 2, 1}},
-      {3, Pooling::avg, true,
+      {3,
+       Pooling::avg,
+       true,
        {19. / 6, 19. / 6, 4, 4, 4, 19. / 6, 19. / 6, 19. / 6, 8, 8, 3.5, 3.5, 3.5, 3.5, 3.5, 3.5}},
       {3, Pooling::max, false, {8. / 3, 8. / 3, 4, 4, 4, 8. / 3, 8. / 3, 8. / 3, 8, 8, 3, 3, 1.5, 1.5, 1.5, 1.5}},
-      {3, Pooling::max, true,
+      {3,
+       Pooling::max,
+       true,
        {19. / 6, 19. / 6, 4, 4, 4, 19. / 6, 19. / 6, 19. / 6, 8, 8, 3.5, 3.5, 3.5, 3.5, 3.5, 3.5}},
       {1, Pooling::avg, false, {2, 8, 6, 12, 4, 0, 8, 2, 16, 0, 9, 0, 0, 3, 3, 0}},
-      {1, Pooling::max, true,
-       {5.25, 8, 6, 12, 5.25, 5.25, 8, 5.25, 16, 3.875, 9, 3.875, 3.875, 3.875, 3.875, 3.875}},
+      {1, Pooling::max, true, {5.25, 8, 6, 12, 5.25, 5.25, 8, 5.25, 16, 3.875, 9, 3.875, 3.875, 3.875, 3.875, 3.875}},
   };
   for (const Case& c : cases) {
     INFO("kernel " << c.kernel << " " << kvevict::to_string(c.pooling) << " floor " << c.floor);
     const std::vector<double> want = over32(c.want);
-    CHECK(kvevict_test::compare_close(aggregate(attn, kShape, c.kernel, c.pooling, c.floor), want, 1e-15, 1e-17) ==
-          "");
+    CHECK(kvevict_test::compare_close(aggregate(attn, kShape, c.kernel, c.pooling, c.floor), want, 1e-15, 1e-17) == "");
     const std::vector<double> keys(12 * 2, 0.0);
     const auto in = kvevict_test::attention_inputs(attn, keys, kShape);
-    CHECK(kvevict_test::compare_close(defensive_of<double>(in, 4, c.kernel, c.pooling, c.floor), want, 1e-15,
-                                      1e-17) == "");
+    CHECK(kvevict_test::compare_close(defensive_of<double>(in, 4, c.kernel, c.pooling, c.floor), want, 1e-15, 1e-17) ==
+          "");
     const std::vector<float> attn_f = kvevict_test::cast_to<float>(attn), keys_f(12 * 2, 0.0f);
     const auto in_f = kvevict_test::attention_inputs(attn_f, keys_f, kShape);
     CHECK(kvevict_test::compare_close(defensive_of<float>(in_f, 4, c.kernel, c.pooling, c.floor), want, 1e-6, 1e-8) ==
@@ -152,7 +152,8 @@ TEST_CASE("defensive aggregation on a hand-worked 2-KV-head, 12-token layer (ker
                                   16. / 3,  16. / 3,  16. / 3,  36. / 19, 48. / 19,  4. / 3,    4. / 3,   4. / 3};
   CHECK(kvevict_test::compare_close(aggregate(attn, kShape, 5, Pooling::avg, false), over32(k5), 1e-14, 1e-17) == "");
   std::vector<double> k5f = k5;
-  const double mean0 = std::accumulate(k5.begin(), k5.begin() + 8, 0.0) / 8, mean1 = std::accumulate(k5.begin() + 8, k5.end(), 0.0) / 8;
+  const double mean0 = std::accumulate(k5.begin(), k5.begin() + 8, 0.0) / 8,
+               mean1 = std::accumulate(k5.begin() + 8, k5.end(), 0.0) / 8;
   CHECK(mean0 == Approx(1657. / 598).epsilon(1e-14));
   CHECK(mean1 == Approx(58. / 19).epsilon(1e-14));
   for (int j = 0; j < 8; ++j) k5f[sz(j)] = std::max(k5f[sz(j)], mean0);
@@ -162,7 +163,7 @@ TEST_CASE("defensive aggregation on a hand-worked 2-KV-head, 12-token layer (ker
 
 TEST_CASE("defensive aggregation matches the float64 reference on random layers", "[defensive_aggregation]") {
   Rng rng(501);
-  const Shape shapes[] = {{1, 1, 1, 2, 16},  {2, 1, 4, 40, 16},   {8, 2, 32, 120, 16}, {8, 8, 4, 64, 64},
+  const Shape shapes[] = {{1, 1, 1, 2, 16},   {2, 1, 4, 40, 16},  {8, 2, 32, 120, 16}, {8, 8, 4, 64, 64},
                           {4, 4, 32, 90, 16}, {8, 1, 4, 300, 16}, {2, 2, 4, 2000, 16}};
   const std::pair<int, Pooling> knobs[] = {{5, Pooling::avg}, {7, Pooling::max}, {1, Pooling::avg},
                                            {5, Pooling::max}, {7, Pooling::avg}, {1, Pooling::max}};
@@ -173,8 +174,8 @@ TEST_CASE("defensive aggregation matches the float64 reference on random layers"
     const kvevict_test::Layer l = kvevict_test::random_layer(s, rng);
     const std::vector<double> attn = kvevict_ref::window_attention(l.q, l.k, s.H, s.Hkv, s.w, s.L, s.d);
     const auto from_attn = kvevict_test::attention_inputs(attn, l.k, s);
-    const auto from_q = kvevict_test::store<double>(l, i % 2 ? kvevict_test::Layout::heads_major
-                                                              : kvevict_test::Layout::tokens_major);
+    const auto from_q =
+        kvevict_test::store<double>(l, i % 2 ? kvevict_test::Layout::heads_major : kvevict_test::Layout::tokens_major);
     const auto stf = kvevict_test::store<float>(l, kvevict_test::Layout::heads_major);
     for (bool floor : {true, false}) {
       INFO("floor " << floor);
@@ -185,15 +186,16 @@ TEST_CASE("defensive aggregation matches the float64 reference on random layers"
       CHECK(kvevict_test::compare_close(defensive_of<double>(from_q.in, s.w, k.first, k.second, floor), want, 1e-9,
                                         1e-300) == "");
       // Float storage, float arithmetic: softmax in float, relative to the row's scale.
-      CHECK(kvevict_test::compare_close(defensive_of<float>(stf.in, s.w, k.first, k.second, floor), want, 1e-3,
-                                        1e-6) == "");
+      CHECK(kvevict_test::compare_close(defensive_of<float>(stf.in, s.w, k.first, k.second, floor), want, 1e-3, 1e-6) ==
+            "");
     }
   }
 }
 
-TEST_CASE("defensive aggregation: floor = max(no floor, head mean); group = max of its query heads; rows keep their "
-          "prefix mass",
-          "[defensive_aggregation]") {
+TEST_CASE(
+    "defensive aggregation: floor = max(no floor, head mean); group = max of its query heads; rows keep their "
+    "prefix mass",
+    "[defensive_aggregation]") {
   Rng rng(502);
   for (int t = 0; t < 12; ++t) {
     const Shape s = kvevict_test::random_shape(rng, 150);
@@ -241,8 +243,7 @@ TEST_CASE("defensive aggregation: a window row with no prefix mass contributes z
           "[defensive_aggregation]") {
   // H = Hkv = 1, w = 2, L = 6, P = 4: row 0 puts everything on the window, row 1 on token 2.
   const Shape s{1, 1, 2, 6, 1};
-  const std::vector<double> attn = {0, 0, 0, 0, 1, 0,
-                                    0, 0, 0.5, 0, 0.25, 0.25};
+  const std::vector<double> attn = {0, 0, 0, 0, 1, 0, 0, 0, 0.5, 0, 0.25, 0.25};
   for (Pooling pooling : {Pooling::avg, Pooling::max}) {
     // Kernel 3 spreads token 2 over 1..3; renormalised to mass 0.5: [0, 1/6, 1/6, 1/6]. Floor at the mean 1/8.
     CHECK(kvevict_test::compare_close(aggregate(attn, s, 3, pooling, false), {0, 1. / 6, 1. / 6, 1. / 6}, 1e-15,

@@ -1,7 +1,7 @@
-// selectors/defensive_selector.hpp and the DefensiveKV presets (docs/algorithms.md section 2.3 defensive, 2.4 normalised value
-// term, 2.6 cumulative-mass forcing, section 3): DefensiveKV (flat top-k), AdaKVDefensive (the paper's ablation) and
-// the DefensiveSelector on every per-layer base with its toggles, against hand-worked selections and the float64
-// reference in both quirk modes; properties; the errors of the value-aware selectors.
+// selectors/defensive_selector.hpp and the DefensiveKV presets (docs/algorithms.md section 2.3 defensive, 2.4
+// normalised value term, 2.6 cumulative-mass forcing, section 3): DefensiveKV (flat top-k), AdaKVDefensive (the paper's
+// ablation) and the DefensiveSelector on every per-layer base with its toggles, against hand-worked selections and the
+// float64 reference in both quirk modes; properties; the errors of the value-aware selectors.
 #include <catch2/catch.hpp>
 
 #include <kvevict/kvevict.hpp>
@@ -34,8 +34,8 @@ using kvevict_test::sz;
 
 namespace {
 
-using DefensiveAdaKV = kvevict::Policy<kvevict::AdaKV, kvevict::DefensiveSelector>;      // safeguard + forcing
-using DefensiveSnapKV = kvevict::Policy<kvevict::SnapKV, kvevict::DefensiveSelector>;    // uniform base
+using DefensiveAdaKV = kvevict::Policy<kvevict::AdaKV, kvevict::DefensiveSelector>;    // safeguard + forcing
+using DefensiveSnapKV = kvevict::Policy<kvevict::SnapKV, kvevict::DefensiveSelector>;  // uniform base
 
 // The hand-worked layer: H = 4, Hkv = 2 (G = 2), w = 4, L = 12, P = 8, kernel 1, attention in units of 1/32 (every
 // window row of a query head the same, window mass on key 8); head_dim 1, W_o = [1 1 1 1] so N = |v|.
@@ -65,7 +65,8 @@ kvevict_test::HandLayer& hand_layer() {
 }
 
 template <class P>
-P hand_policy(bool quirks, bool floor = true, bool value_term = true, bool mass_forcing = true, double threshold = 0.9) {
+P hand_policy(bool quirks, bool floor = true, bool value_term = true, bool mass_forcing = true,
+              double threshold = 0.9) {
   typename P::Params p;
   p.window = 4;
   p.kernel = 1;
@@ -97,7 +98,8 @@ TEST_CASE("DefensiveKV on a hand-worked 2-KV-head, 12-token layer, corrected mod
         Kept{{1, 5, 8, 9, 10, 11}, {0, 7, 8, 9, 10, 11}});
   // n_kept 7 (total 14): forced + window, then 7.5, 4.5, 4 (0, 5) and 3.9375 (1, 1); without the floor M[1][1] = 0 and
   // token 2 of KV 1 (M 4 x 1/2 = 2) takes its place.
-  CHECK(run(hand_policy<DefensiveKV>(false), Budget::tokens(7)) == Kept{{1, 5, 8, 9, 10, 11}, {0, 1, 6, 7, 8, 9, 10, 11}});
+  CHECK(run(hand_policy<DefensiveKV>(false), Budget::tokens(7)) ==
+        Kept{{1, 5, 8, 9, 10, 11}, {0, 1, 6, 7, 8, 9, 10, 11}});
   CHECK(run(hand_policy<DefensiveKV>(false, false), Budget::tokens(7)) ==
         Kept{{1, 5, 8, 9, 10, 11}, {0, 2, 6, 7, 8, 9, 10, 11}});
   // No value term (s' = M with the floor): after the 10 always-kept entries, M 10 (1, 0) and 8 (0, 5).
@@ -114,9 +116,9 @@ TEST_CASE("DefensiveKV on a hand-worked 2-KV-head, 12-token layer, corrected mod
   const Selection s6 = hand_policy<DefensiveKV>(false).select<double>(hand_layer().in, Budget::tokens(6));
   CHECK(s6.lengths() == std::vector<std::int64_t>{5, 7});
   // The reference, fed with s' and the forced tokens written above, agrees (no tie with the layer max here).
-  const std::vector<double> sp = {.90625 / 32, 1.25 / 32, 1.8125 / 32, 1.8125 / 32, 1.8125 / 32, 4. / 32, .90625 / 32,
-                                  1.8125 / 32, 7.5 / 32,   3.9375 / 32, 2.25 / 32,  2.25 / 32,  2.25 / 32, 2.25 / 32,
-                                  4.5 / 32,    8. / 32};
+  const std::vector<double> sp = {.90625 / 32, 1.25 / 32,   1.8125 / 32, 1.8125 / 32, 1.8125 / 32, 4. / 32,
+                                  .90625 / 32, 1.8125 / 32, 7.5 / 32,    3.9375 / 32, 2.25 / 32,   2.25 / 32,
+                                  2.25 / 32,   2.25 / 32,   4.5 / 32,    8. / 32};
   CHECK(kvevict_ref::defensivekv(sp, Forced{{1}, {7}}, 2, 4, 12, 6, 0.0, false, 0.0) ==
         Kept{{1, 8, 9, 10, 11}, {0, 6, 7, 8, 9, 10, 11}});
   CHECK(kvevict_ref::defensivekv(sp, Forced{{1}, {7}}, 2, 4, 12, 7, 0.0, false, 0.0) ==
@@ -147,9 +149,9 @@ TEST_CASE("DefensiveKV on the hand-worked layer under reference_quirks: the flat
   CHECK(run(q, Budget::compression_ratio(0.7)) == Kept{{8, 9, 10, 11}, {9, 10, 11}});
   CHECK(run(hand_policy<DefensiveKV>(false), Budget::compression_ratio(0.7)) == Kept{{9, 10, 11}, {9, 10, 11}});
   // The reference agrees on the quirk totals.
-  const std::vector<double> sp = {.90625 / 32, 1.25 / 32, 1.8125 / 32, 1.8125 / 32, 1.8125 / 32, 4. / 32, .90625 / 32,
-                                  1.8125 / 32, 7.5 / 32,   3.9375 / 32, 2.25 / 32,  2.25 / 32,  2.25 / 32, 2.25 / 32,
-                                  4.5 / 32,    8. / 32};
+  const std::vector<double> sp = {.90625 / 32, 1.25 / 32,   1.8125 / 32, 1.8125 / 32, 1.8125 / 32, 4. / 32,
+                                  .90625 / 32, 1.8125 / 32, 7.5 / 32,    3.9375 / 32, 2.25 / 32,   2.25 / 32,
+                                  2.25 / 32,   2.25 / 32,   4.5 / 32,    8. / 32};
   CHECK(kvevict_ref::defensivekv(sp, Forced{{1}, {7}}, 2, 4, 12, 7, 0.0, true, 0.35) ==
         Kept{{1, 5, 8, 9, 10, 11}, {0, 1, 5, 6, 7, 8, 9, 10, 11}});
   CHECK(kvevict_ref::defensivekv(sp, Forced{{}, {}}, 2, 4, 12, 6, 0.0, true, 0.45) ==
@@ -163,14 +165,13 @@ TEST_CASE("DefensiveKV on the hand-worked layer under reference_quirks: the flat
 TEST_CASE("DefensiveKV quirks on a short context: the negative cap forces a low-scored token over the best one",
           "[defensive_selector]") {
   // H = Hkv = 2 (G = 1), w = 4, L = 10, P = 6, kernel 1, values all 1 (Nn = 1/2 everywhere), rows in 1/32:
-  //   q0 [12 0 1 0 2 1 | 16], q1 [2 1 0 9 3 1 | 16] -> M (floor at 16/6) [12 8/3 8/3 8/3 8/3 8/3], [8/3 8/3 8/3 9 3 8/3]
-  //   s' = M / 2, layer max 6/32 (KV 0, token 0).
+  //   q0 [12 0 1 0 2 1 | 16], q1 [2 1 0 9 3 1 | 16] -> M (floor at 16/6) [12 8/3 8/3 8/3 8/3 8/3], [8/3 8/3 8/3 9 3
+  //   8/3] s' = M / 2, layer max 6/32 (KV 0, token 0).
   // Mass order (ties: the more recent first): KV 0: 0, 4, 5, 2, 3, 1; KV 1: 3, 4, 0, 5, 1, 2.
   const Shape s{2, 2, 4, 10, 1};
-  const kvevict_test::HandLayer layer(s, kvevict_test::repeated_rows({{12, 0, 1, 0, 2, 1, 16, 0, 0, 0},
-                                                                      {2, 1, 0, 9, 3, 1, 16, 0, 0, 0}},
-                                                                     4, 32.0),
-                                      std::vector<double>(20, 1.0), {1, 1});
+  const kvevict_test::HandLayer layer(
+      s, kvevict_test::repeated_rows({{12, 0, 1, 0, 2, 1, 16, 0, 0, 0}, {2, 1, 0, 9, 3, 1, 16, 0, 0, 0}}, 4, 32.0),
+      std::vector<double>(20, 1.0), {1, 1});
   // Quirks, cr .5: n_kept 5, total int(10 x .5 x 2) = 10, cap int(6 x .5 - 4) = -1: all but the last of each order is
   // forced to the layer max: KV 0 {0, 2, 3, 4, 5}, KV 1 {0, 1, 3, 4, 5}. With the 8 window entries, 18 entries tie at
   // 6/32 and the most recent win: the window and token 5 of both heads. KV 0's best token 0 (s' 6/32) is evicted
@@ -185,7 +186,8 @@ TEST_CASE("DefensiveKV quirks on a short context: the negative cap forces a low-
   CHECK(f == Forced{{0, 2, 3, 4, 5}, {0, 1, 3, 4, 5}});
 }
 
-TEST_CASE("AdaKVDefensive and the DefensiveSelector on the AdaKV and SnapKV bases, hand-worked", "[defensive_selector]") {
+TEST_CASE("AdaKVDefensive and the DefensiveSelector on the AdaKV and SnapKV bases, hand-worked",
+          "[defensive_selector]") {
   // AdaKVDefensive = AdaKV with s' = M (floor, no value term, no forcing). n_kept 6: safeguard int(1.2) = 1 -> token 11
   // of each head; flat top-12: 2 + 6 window, then M 16 (1, 7), 10 (0, 1) and 10 (1, 0) (tie: token 1 first), 8 (0, 5).
   kvevict::AdaKVDefensive::Params p;
@@ -202,18 +204,19 @@ TEST_CASE("AdaKVDefensive and the DefensiveSelector on the AdaKV and SnapKV base
   attention_only.values = {};
   attention_only.w_o = {};
   CHECK(run(ablation, Budget::tokens(6), attention_only) == Kept{{1, 5, 8, 9, 10, 11}, {0, 7, 8, 9, 10, 11}});
-  // Quirks, cr .45: total 13 (the flat-total quirk applies to the DefensiveSelector whatever its toggles); the window at
-  // the layer max 16: 2 safeguard + 6 window + (1, 7), then 10, 10, 8 and 6 (1, 6).
+  // Quirks, cr .45: total 13 (the flat-total quirk applies to the DefensiveSelector whatever its toggles); the window
+  // at the layer max 16: 2 safeguard + 6 window + (1, 7), then 10, 10, 8 and 6 (1, 6).
   p.reference_quirks = true;
   CHECK(run(kvevict::AdaKVDefensive(p), Budget::compression_ratio(0.45)) ==
         Kept{{1, 5, 8, 9, 10, 11}, {0, 6, 7, 8, 9, 10, 11}});
   CHECK(kvevict_ref::defensivekv({3.625, 10, 3.625, 3.625, 3.625, 8, 3.625, 3.625, 10, 4.5, 4.5, 4.5, 4.5, 4.5, 6, 16},
-                                 Forced{}, 2, 4, 12, 6, 0.2, true, 0.45) ==
-        Kept{{1, 5, 8, 9, 10, 11}, {0, 6, 7, 8, 9, 10, 11}});
+                                 Forced{}, 2, 4, 12, 6, 0.2, true,
+                                 0.45) == Kept{{1, 5, 8, 9, 10, 11}, {0, 6, 7, 8, 9, 10, 11}});
 
   // Uniform base, corrected, n_kept 6: each head keeps its forced token, the window and its best other s':
   // KV 0 {1} + 4 (token 5); KV 1 {7} + 7.5 (token 0).
-  CHECK(run(hand_policy<DefensiveSnapKV>(false), Budget::tokens(6)) == Kept{{1, 5, 8, 9, 10, 11}, {0, 7, 8, 9, 10, 11}});
+  CHECK(run(hand_policy<DefensiveSnapKV>(false), Budget::tokens(6)) ==
+        Kept{{1, 5, 8, 9, 10, 11}, {0, 7, 8, 9, 10, 11}});
   // Uniform, quirks, cr .45 (n_kept 6, nothing forced): per head the window (at the layer max) and the best two:
   // KV 0: 4 (token 5), then the four 1.8125 tie -> token 7; KV 1: 8 (token 7, ties the max), 7.5 (token 0).
   CHECK(run(hand_policy<DefensiveSnapKV>(true), Budget::compression_ratio(0.45)) ==
@@ -260,14 +263,15 @@ void sweep_shape(const Shape& s, const std::vector<Variant>& variants, Rng& rng,
       const kvevict_test::RefLayer r = kvevict_test::ref_layer(l, attn, k);
       const bool near_tie = k.mass_forcing && kvevict_test::mass_margin(attn, s, k.threshold, quirks) < 1e-9;
       for (std::int64_t n : budgets) {
-        // Corrected: each budget in one of the three forms, in turn. Quirks: the compression ratio (the other forms must
-        // be refused).
+        // Corrected: each budget in one of the three forms, in turn. Quirks: the compression ratio (the other forms
+        // must be refused).
         const std::vector<kvevict_test::FormedBudget> forms = kvevict_test::budget_forms(n, s.L);
         const std::size_t pick = quirks ? forms.size() - 1 : sz(c.cases) % forms.size();
         for (std::size_t fi = 0; fi < forms.size(); ++fi) {
           const kvevict_test::FormedBudget& b = forms[fi];
           INFO(kvevict_test::describe(s) << " base " << kvevict_test::to_string(v.base) << " "
-                                         << kvevict_test::describe(k) << " budget " << b.form << " n_kept=" << b.n_kept);
+                                         << kvevict_test::describe(k) << " budget " << b.form
+                                         << " n_kept=" << b.n_kept);
           const kvevict::LayerInputs<double>& in = b.form == "keep_ratio" ? from_a.in : from_q.in;
           if (quirks && b.form != "compression_ratio") {
             REQUIRE_THROWS_MATCHES(select_variant(v, s, in, b.budget), kvevict::invalid_argument,
@@ -291,9 +295,10 @@ void sweep_shape(const Shape& s, const std::vector<Variant>& variants, Rng& rng,
 
 }  // namespace
 
-TEST_CASE("DefensiveKV, AdaKVDefensive and the DefensiveSelector on every base select<double> like the reference "
-          "(both modes, toggles, budget forms)",
-          "[defensive_selector]") {
+TEST_CASE(
+    "DefensiveKV, AdaKVDefensive and the DefensiveSelector on every base select<double> like the reference "
+    "(both modes, toggles, budget forms)",
+    "[defensive_selector]") {
   Rng rng(801);
   Counters c;
   SelKnobs def;  // DefensiveKV's defaults: flat (alpha 0), value term, forcing, floor
@@ -311,10 +316,27 @@ TEST_CASE("DefensiveKV, AdaKVDefensive and the DefensiveSelector on every base s
        {DefBase::adaptive, with(def, [](SelKnobs& k) { k.alpha = 0.2; })}},
       {{DefBase::flat, with(def, [](SelKnobs& k) { k.value_term = false; })},
        {DefBase::uniform, with(def, [](SelKnobs& k) { k.mass_forcing = false; })}},
-      {{DefBase::flat, with(def, [](SelKnobs& k) { k.norm = ValueNorm::l2; k.threshold = 0.5; })},
-       {DefBase::adaptive, with(ablation, [](SelKnobs& k) { k.floor = false; k.alpha = 0.5; })}},
-      {{DefBase::flat, with(def, [](SelKnobs& k) { k.mass_forcing = false; k.kernel = 7; k.pooling = Pooling::max; })},
-       {DefBase::uniform, with(def, [](SelKnobs& k) { k.threshold = 1.0; k.kernel = 1; })}},
+      {{DefBase::flat, with(def,
+                            [](SelKnobs& k) {
+                              k.norm = ValueNorm::l2;
+                              k.threshold = 0.5;
+                            })},
+       {DefBase::adaptive, with(ablation,
+                                [](SelKnobs& k) {
+                                  k.floor = false;
+                                  k.alpha = 0.5;
+                                })}},
+      {{DefBase::flat, with(def,
+                            [](SelKnobs& k) {
+                              k.mass_forcing = false;
+                              k.kernel = 7;
+                              k.pooling = Pooling::max;
+                            })},
+       {DefBase::uniform, with(def,
+                               [](SelKnobs& k) {
+                                 k.threshold = 1.0;
+                                 k.kernel = 1;
+                               })}},
   };
   const Shape shapes[] = {{1, 1, 1, 2, 16},  {2, 1, 4, 5, 16},  {8, 2, 32, 33, 16},  {8, 8, 4, 40, 16},
                           {4, 4, 4, 64, 64}, {8, 1, 4, 90, 16}, {4, 2, 32, 120, 16}, {2, 2, 4, 1500, 16}};
@@ -390,9 +412,10 @@ TEST_CASE("DefensiveKV family on quantised attention (exact ties everywhere) mat
   }
 }
 
-TEST_CASE("DefensiveKV family: budget accounting, window and forced tokens kept, order, determinism, layouts, routes, "
-          "composition (float)",
-          "[defensive_selector]") {
+TEST_CASE(
+    "DefensiveKV family: budget accounting, window and forced tokens kept, order, determinism, layouts, routes, "
+    "composition (float)",
+    "[defensive_selector]") {
   Rng rng(803);
   std::vector<Shape> shapes = {{8, 2, 32, 33, 16}, {4, 4, 1, 2, 16}, {8, 1, 4, 500, 16}};
   for (int i = 0; i < 5; ++i) {
@@ -463,13 +486,16 @@ TEST_CASE("DefensiveKV family: budget accounting, window and forced tokens kept,
         SelKnobs kq = k;
         kq.quirks = true;
         const auto total = static_cast<Index>(static_cast<double>(s.L) * (1.0 - cr) * static_cast<double>(s.Hkv));
-        CHECK(kvevict_test::make_policy<kvevict::DefensiveKV>(s, kq).select(hm.in, Budget::compression_ratio(cr)).total() ==
-              total);
+        CHECK(kvevict_test::make_policy<kvevict::DefensiveKV>(s, kq)
+                  .select(hm.in, Budget::compression_ratio(cr))
+                  .total() == total);
         ka.quirks = true;
-        CHECK(kvevict_test::make_policy<kvevict::AdaKVDefensive>(s, ka).select(hm.in, Budget::compression_ratio(cr)).total() ==
-              total);
+        CHECK(kvevict_test::make_policy<kvevict::AdaKVDefensive>(s, ka)
+                  .select(hm.in, Budget::compression_ratio(cr))
+                  .total() == total);
         ka.quirks = false;
-        const Selection uq = kvevict_test::make_policy<DefensiveSnapKV>(s, kq).select(hm.in, Budget::compression_ratio(cr));
+        const Selection uq =
+            kvevict_test::make_policy<DefensiveSnapKV>(s, kq).select(hm.in, Budget::compression_ratio(cr));
         for (Index h = 0; h < s.Hkv; ++h) CHECK(uq.length(h) == kvevict_ref::n_kept_from_compression_ratio(s.L, cr));
       }
     }
@@ -483,11 +509,13 @@ TEST_CASE("DefensiveKV family: budget accounting, window and forced tokens kept,
   const auto st = kvevict_test::store_v<double>(l, Layout::heads_major, &attn);
   SelKnobs k;
   k.alpha = 0.0;
-  CHECK(kvevict_test::make_policy<kvevict::DefensiveKV>(big, k).select<double>(st.in, Budget::compression_ratio(0.8)).total() ==
-        398);
+  CHECK(kvevict_test::make_policy<kvevict::DefensiveKV>(big, k)
+            .select<double>(st.in, Budget::compression_ratio(0.8))
+            .total() == 398);
   k.quirks = true;
-  CHECK(kvevict_test::make_policy<kvevict::DefensiveKV>(big, k).select<double>(st.in, Budget::compression_ratio(0.8)).total() ==
-        399);
+  CHECK(kvevict_test::make_policy<kvevict::DefensiveKV>(big, k)
+            .select<double>(st.in, Budget::compression_ratio(0.8))
+            .total() == 399);
 }
 
 TEST_CASE("DefensiveKV parameters: defaults and validation", "[defensive_selector]") {
@@ -505,7 +533,8 @@ TEST_CASE("DefensiveKV parameters: defaults and validation", "[defensive_selecto
   CHECK(a.params().alpha == 0.2);
   CHECK_FALSE(a.params().value_term);
   CHECK_FALSE(a.params().mass_forcing);
-  for (double t : {-0.01, 1.01, 5.0, std::numeric_limits<double>::quiet_NaN(), -std::numeric_limits<double>::infinity()}) {
+  for (double t :
+       {-0.01, 1.01, 5.0, std::numeric_limits<double>::quiet_NaN(), -std::numeric_limits<double>::infinity()}) {
     kvevict::DefensiveKV::Params p;
     p.mass_threshold = t;
     REQUIRE_THROWS_MATCHES(kvevict::DefensiveKV(p), kvevict::invalid_argument,
@@ -591,9 +620,10 @@ TEST_CASE("value-aware selectors: missing or mismatched values / W_o and NaN val
   }
 }
 
-TEST_CASE("Single-layer DefensiveKV keeps forced and window tokens first in the corrected mode; under quirks a more "
-          "recent token tied at the layer maximum displaces a forced one",
-          "[defensive_selector][ruling]") {
+TEST_CASE(
+    "Single-layer DefensiveKV keeps forced and window tokens first in the corrected mode; under quirks a more "
+    "recent token tied at the layer maximum displaces a forced one",
+    "[defensive_selector][ruling]") {
   // One KV head, two query heads (G = 2), L = 10, w = 1 (P = 9, window = token 9), kernel 1 (no smoothing).
   //   query head 0: token 5 = .5, token 7 = .5        query head 1: token 5 = .5, token 7 = .3, token 9 = .2
   // Mass forcing: p (mean over heads, normalised over the prefix) is 5/9 for token 5, 4/9 for token 7. Corrected

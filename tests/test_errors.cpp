@@ -55,8 +55,9 @@ TEST_CASE("window >= context length", "[errors]") {
   in.queries = HeadsView<const float>::heads_major(q.data(), s.H, s.w, s.d);
   in.keys = kvevict::kv_heads_major<const float>(k.data(), s.Hkv, s.L, s.d);
   const auto snap = with_window<kvevict::SnapKV>(40);
-  REQUIRE_THROWS_MATCHES(snap.select(in, Budget::tokens(8)), kvevict::invalid_argument,
-                         MessageContains("kvevict::SnapKV::select: window (40) must be smaller than the context length (32)"));
+  REQUIRE_THROWS_MATCHES(
+      snap.select(in, Budget::tokens(8)), kvevict::invalid_argument,
+      MessageContains("kvevict::SnapKV::select: window (40) must be smaller than the context length (32)"));
   REQUIRE_THROWS_MATCHES(with_window<kvevict::AdaKV>(40).select(in, Budget::tokens(8)), kvevict::invalid_argument,
                          MessageContains("window (40) must be smaller than the context length (32)"));
   // window == L leaves no prefix: also an error.
@@ -177,11 +178,11 @@ TEST_CASE("shape errors of the layer inputs", "[errors]") {
   SECTION("empty keys") {
     LayerInputs<double> in = st.in;
     in.keys = kvevict::KVView<const double>();
-    REQUIRE_THROWS_MATCHES(snap.select(in, b), kvevict::invalid_argument,
-                           MessageContains("keys must be a non-empty [kv_heads, tokens, head_dim] view, got [0, 0, 0]"));
+    REQUIRE_THROWS_MATCHES(
+        snap.select(in, b), kvevict::invalid_argument,
+        MessageContains("keys must be a non-empty [kv_heads, tokens, head_dim] view, got [0, 0, 0]"));
     in.keys = kvevict::kv_heads_major<const double>(st.k.data(), s.Hkv, 0, s.d);
-    REQUIRE_THROWS_MATCHES(snap.select(in, b), kvevict::invalid_argument,
-                           MessageContains("got [2, 0, 16]"));
+    REQUIRE_THROWS_MATCHES(snap.select(in, b), kvevict::invalid_argument, MessageContains("got [2, 0, 16]"));
     const LayerInputs<float> nothing;
     REQUIRE_THROWS_MATCHES(with_window<kvevict::AdaKV>(4).select(nothing, b), kvevict::invalid_argument,
                            MessageContains("keys must be a non-empty"));
@@ -316,7 +317,7 @@ TEST_CASE("NaN and Inf in precomputed attention give a 'not finite' error wherev
   };
   // Prefix interior, the last prefix column (where max pooling would hide a NaN behind its finite neighbours),
   // the first prefix column, and window columns.
-  const Poison poisons[] = {{0, 0, 10, kNaN},  {1, 3, P - 1, kNaN},  {2, 1, P - 2, -kInf}, {3, 2, 0, kInf},
+  const Poison poisons[] = {{0, 0, 10, kNaN},     {1, 3, P - 1, kNaN},   {2, 1, P - 2, -kInf}, {3, 2, 0, kInf},
                             {3, 0, P - 1, -kInf}, {0, 3, s.L - 1, kNaN}, {1, 2, P, kInf}};
   for (const Poison& p : poisons)
     for (Pooling pooling : {Pooling::avg, Pooling::max})

@@ -46,9 +46,10 @@ void same_as_float_storage(const char* name, const VLayer& l, std::int64_t n_kep
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("half storage: Eigen::half and Eigen::bfloat16 inputs select exactly as float storage of the same "
-                   "values",
-                   "[views][half]", Eigen::half, Eigen::bfloat16) {
+TEMPLATE_TEST_CASE(
+    "half storage: Eigen::half and Eigen::bfloat16 inputs select exactly as float storage of the same "
+    "values",
+    "[views][half]", Eigen::half, Eigen::bfloat16) {
   using T = TestType;
   Rng rng(31);
   for (int c = 0; c < 60; ++c) {

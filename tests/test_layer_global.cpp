@@ -1,6 +1,7 @@
 // allocation/layer_global.hpp and policy/layer_global_policy.hpp: one top-k over every layer of the model
-// (docs/algorithms.md section 2.5 layer-global, 2.6 layer-global forcing): Layer-DefensiveKV and LayerGlobalPolicy<CriticalSelector>
-// against hand-worked selections and the float64 reference in both quirk modes; Plan (score, then apply); properties.
+// (docs/algorithms.md section 2.5 layer-global, 2.6 layer-global forcing): Layer-DefensiveKV and
+// LayerGlobalPolicy<CriticalSelector> against hand-worked selections and the float64 reference in both quirk modes;
+// Plan (score, then apply); properties.
 #include <catch2/catch.hpp>
 
 #include <kvevict/extend.hpp>
@@ -17,10 +18,10 @@
 using kvevict::Budget;
 using kvevict::Index;
 using kvevict::Pooling;
-using kvevict::extend::ScoreMap;
 using kvevict::Selection;
-using kvevict::extend::Tier;
 using kvevict::ValueNorm;
+using kvevict::extend::ScoreMap;
+using kvevict::extend::Tier;
 using kvevict_test::Forced;
 using kvevict_test::Kept;
 using kvevict_test::Layout;
@@ -51,7 +52,8 @@ Budgets allocate(const std::vector<ScoreMap<double>>& maps, Index total) {
 TEST_CASE("allocate_layer_global: one top-k over all layers, tiers first, ties by position, layer, head",
           "[layer_global]") {
   // Layer 0: 2 heads x 3 tokens; layer 1: 1 head x 4 tokens.
-  std::vector<ScoreMap<double>> maps = {map_of({0.5, 0.1, 0.3, 0.2, 0.9, 0.4}, 2, 3), map_of({0.6, 0.7, 0.05, 0.8}, 1, 4)};
+  std::vector<ScoreMap<double>> maps = {map_of({0.5, 0.1, 0.3, 0.2, 0.9, 0.4}, 2, 3),
+                                        map_of({0.6, 0.7, 0.05, 0.8}, 1, 4)};
   // Order: .9 (L0 h1 j1), .8 (L1 j3), .7 (L1 j1), .6 (L1 j0), .5 (L0 h0 j0), .4 (L0 h1 j2), .3, .2, .1, .05.
   CHECK(allocate(maps, 0) == Budgets{{0, 0}, {0}});
   CHECK(allocate(maps, 1) == Budgets{{0, 1}, {0}});
@@ -60,8 +62,8 @@ TEST_CASE("allocate_layer_global: one top-k over all layers, tiers first, ties b
   CHECK(allocate(maps, 10) == Budgets{{3, 3}, {4}});
   // Promoted entries (forced or window, any tier above scored) come first whatever their score, ranked among
   // themselves by position, then layer, then head -- forced and window are one class here (+infinity).
-  maps[0].promote(0, 1, Tier::forced);  // L0 h0 j1 (.1)
-  maps[1].promote(0, 2, Tier::window);  // L1 j2 (.05)
+  maps[0].promote(0, 1, Tier::forced);               // L0 h0 j1 (.1)
+  maps[1].promote(0, 2, Tier::window);               // L1 j2 (.05)
   CHECK(allocate(maps, 1) == Budgets{{0, 0}, {1}});  // position 2 beats position 1
   CHECK(allocate(maps, 2) == Budgets{{1, 0}, {1}});
   CHECK(allocate(maps, 3) == Budgets{{1, 1}, {1}});  // then .9
@@ -109,7 +111,8 @@ std::vector<double> layer1_attention() {
 }
 
 struct HandModel {
-  kvevict_test::HandLayer l0{kShape, kvevict_test::repeated_rows(kRows0, 4, 32.0),
+  kvevict_test::HandLayer l0{kShape,
+                             kvevict_test::repeated_rows(kRows0, 4, 32.0),
                              {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 3, 7, 1, 1, 1, 1, 3, 1, 1, 1, 1, 1},
                              {1, 1, 1, 1}};
   kvevict_test::HandLayer l1{kShape, layer1_attention(), std::vector<double>(24, 1.0), {1, 1, 1, 1}};
@@ -142,13 +145,14 @@ TEST_CASE("Layer-DefensiveKV on two hand-worked layers: a forced token kept in c
   // slots by position: (11, h0) (11, h1) (10, h0) (10, h1) (9, h0) (9, h1) (8, h0). The forced token 1 of KV 0
   // (and 7 of KV 1, and even window token 8 of KV 1) lose the global top-k.
   const auto quirks = kvevict_test::kept_of(hand_policy(true).select<double>(model.inputs(), cr35));
-  const std::vector<Kept> want_quirks = {Kept{{8, 9, 10, 11}, {9, 10, 11}},
-                                         Kept{{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}, {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}}};
+  const std::vector<Kept> want_quirks = {
+      Kept{{8, 9, 10, 11}, {9, 10, 11}},
+      Kept{{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}, {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}}};
   CHECK(quirks == want_quirks);
   // The reference, fed with the s' and forced sets written above, agrees in both modes.
-  const std::vector<double> sp0 = {.90625 / 32, 1.25 / 32, 1.8125 / 32, 1.8125 / 32, 1.8125 / 32, 4. / 32, .90625 / 32,
-                                   1.8125 / 32, 7.5 / 32,   3.9375 / 32, 2.25 / 32,  2.25 / 32,  2.25 / 32, 2.25 / 32,
-                                   4.5 / 32,    8. / 32};
+  const std::vector<double> sp0 = {.90625 / 32, 1.25 / 32,   1.8125 / 32, 1.8125 / 32, 1.8125 / 32, 4. / 32,
+                                   .90625 / 32, 1.8125 / 32, 7.5 / 32,    3.9375 / 32, 2.25 / 32,   2.25 / 32,
+                                   2.25 / 32,   2.25 / 32,   4.5 / 32,    8. / 32};
   const std::vector<double> sp1(16, 0.375);
   CHECK(kvevict_ref::layer_defensivekv({sp0, sp1}, {Forced{{1}, {7}}, Forced{{5, 6, 7}, {5, 6, 7}}}, 2, 4, 12, 7, false,
                                        0.35) == want_corrected);
@@ -157,16 +161,20 @@ TEST_CASE("Layer-DefensiveKV on two hand-worked layers: a forced token kept in c
   // Totals.
   const auto sels = hand_policy(true).select<double>(model.inputs(), cr35);
   CHECK(sels[0].total() + sels[1].total() == 31);
-  // Plan: score layer by layer, then apply, is the same as select. (A Plan refers to its policy, which must outlive it.)
+  // Plan: score layer by layer, then apply, is the same as select. (A Plan refers to its policy, which must outlive
+  // it.)
   const kvevict::LayerDefensiveKV corrected_policy = hand_policy(false);
   auto plan = corrected_policy.plan<double>(cr35);
   plan.add(model.l0.in);
   plan.add(model.l1.in);
   CHECK(kvevict_test::kept_of(plan.apply()) == want_corrected);
-  // One layer alone: Layer-DefensiveKV is DefensiveKV (see test_defensive_selector.cpp: {1, 5, 8..11}, {0, 1, 6, 7, 8..11}).
-  CHECK(kvevict_test::kept_of(hand_policy(false).select<double>(std::vector<kvevict::LayerInputs<double>>{model.l0.in}, cr35)) ==
+  // One layer alone: Layer-DefensiveKV is DefensiveKV (see test_defensive_selector.cpp: {1, 5, 8..11}, {0, 1, 6,
+  // 7, 8..11}).
+  CHECK(kvevict_test::kept_of(
+            hand_policy(false).select<double>(std::vector<kvevict::LayerInputs<double>>{model.l0.in}, cr35)) ==
         std::vector<Kept>{Kept{{1, 5, 8, 9, 10, 11}, {0, 1, 6, 7, 8, 9, 10, 11}}});
-  CHECK(kvevict_test::kept_of(hand_policy(true).select<double>(std::vector<kvevict::LayerInputs<double>>{model.l0.in}, cr35)) ==
+  CHECK(kvevict_test::kept_of(
+            hand_policy(true).select<double>(std::vector<kvevict::LayerInputs<double>>{model.l0.in}, cr35)) ==
         std::vector<Kept>{Kept{{1, 5, 8, 9, 10, 11}, {0, 1, 5, 6, 7, 8, 9, 10, 11}}});
   // Quirks need a compression ratio.
   for (const Budget& b : {Budget::tokens(7), Budget::keep_ratio(0.6)})
@@ -202,12 +210,13 @@ kvevict::LayerGlobalPolicy<Selector> make_global(const Shape& s, const SelKnobs&
 
 }  // namespace
 
-TEST_CASE("Layer-DefensiveKV and LayerGlobalPolicy<CriticalSelector> select<double> like the reference (both modes, "
-          "toggles, budget forms)",
-          "[layer_global]") {
+TEST_CASE(
+    "Layer-DefensiveKV and LayerGlobalPolicy<CriticalSelector> select<double> like the reference (both modes, "
+    "toggles, budget forms)",
+    "[layer_global]") {
   Rng rng(901);
   int cases = 0, skipped = 0, forms_seen[3] = {0, 0, 0};
-  const Shape shapes[] = {{1, 1, 1, 3, 16}, {2, 1, 4, 20, 16},  {8, 2, 32, 40, 16}, {4, 4, 4, 64, 64},
+  const Shape shapes[] = {{1, 1, 1, 3, 16},  {2, 1, 4, 20, 16},   {8, 2, 32, 40, 16}, {4, 4, 4, 64, 64},
                           {8, 8, 4, 30, 16}, {4, 2, 32, 120, 16}, {2, 2, 4, 700, 16}};
   int i = 0;
   for (const Shape& s : shapes) {
@@ -215,8 +224,8 @@ TEST_CASE("Layer-DefensiveKV and LayerGlobalPolicy<CriticalSelector> select<doub
     const std::vector<LayerCase> model = random_model(s, NL, rng);
     std::vector<kvevict_test::VStored<double>> stored;
     std::vector<kvevict::LayerInputs<double>> inputs;
-    for (const auto& c : model) stored.push_back(kvevict_test::store_v<double>(c.layer, i % 2 ? Layout::heads_major
-                                                                                              : Layout::tokens_major));
+    for (const auto& c : model)
+      stored.push_back(kvevict_test::store_v<double>(c.layer, i % 2 ? Layout::heads_major : Layout::tokens_major));
     for (const auto& st : stored) inputs.push_back(st.in);
     SelKnobs k;
     k.kernel = i % 3 == 0 ? 5 : (i % 3 == 1 ? 7 : 1);
@@ -302,9 +311,10 @@ TEST_CASE("Layer-DefensiveKV and LayerGlobalPolicy<CriticalSelector> select<doub
   CHECK(skipped * 20 <= cases);
 }
 
-TEST_CASE("Layer-DefensiveKV: model total, forced and window tokens kept, plan == select, determinism, layouts, one "
-          "layer == DefensiveKV (float)",
-          "[layer_global]") {
+TEST_CASE(
+    "Layer-DefensiveKV: model total, forced and window tokens kept, plan == select, determinism, layouts, one "
+    "layer == DefensiveKV (float)",
+    "[layer_global]") {
   Rng rng(902);
   for (int t = 0; t < 6; ++t) {
     Shape s = kvevict_test::random_shape(rng, 100);
@@ -344,7 +354,8 @@ TEST_CASE("Layer-DefensiveKV: model total, forced and window tokens kept, plan =
         for (Index h = 0; h < s.Hkv; ++h) {
           const Index from = n >= s.w ? s.P() : s.L - n;
           for (Index j = from; j < s.L; ++j) CHECK(x.kept(h, j));
-          for (Index j : mass.forced_tokens(h, 0.9 - mass.window_bias(), std::max<Index>(0, static_cast<Index>(n) - s.w)))
+          for (Index j :
+               mass.forced_tokens(h, 0.9 - mass.window_bias(), std::max<Index>(0, static_cast<Index>(n) - s.w)))
             CHECK(x.kept(h, j));
         }
       }
@@ -382,8 +393,8 @@ TEST_CASE("Layer-DefensiveKV over layers of different shapes (corrected): the to
   Rng rng(903);
   const Shape shapes[] = {{8, 2, 4, 60, 16}, {4, 4, 4, 100, 16}, {2, 1, 4, 30, 16}};
   std::vector<kvevict_test::VStored<double>> stored;
-  for (const Shape& s : shapes) stored.push_back(kvevict_test::store_v<double>(kvevict_test::random_vlayer(s, 8, rng),
-                                                                               Layout::heads_major));
+  for (const Shape& s : shapes)
+    stored.push_back(kvevict_test::store_v<double>(kvevict_test::random_vlayer(s, 8, rng), Layout::heads_major));
   kvevict::LayerDefensiveKV::Params p;
   p.window = 4;
   const kvevict::LayerDefensiveKV policy(p);
@@ -424,9 +435,10 @@ TEST_CASE("LayerGlobalPolicy errors: no layer, bad layer shapes, bad params", "[
   const Shape s{4, 2, 4, 20, 8};
   const auto st = kvevict_test::store_v<float>(kvevict_test::random_vlayer(s, 8, rng), Layout::heads_major);
   auto p2 = policy.plan<float>(Budget::tokens(8));
-  REQUIRE_THROWS_MATCHES(p2.add(st.in), kvevict::invalid_argument,
-                         MessageContains("kvevict::LayerDefensiveKV::add (layer 0): window (32) must be smaller than the context "
-                                         "length (20)"));
+  REQUIRE_THROWS_MATCHES(
+      p2.add(st.in), kvevict::invalid_argument,
+      MessageContains("kvevict::LayerDefensiveKV::add (layer 0): window (32) must be smaller than the context "
+                      "length (20)"));
   kvevict::LayerDefensiveKV::Params p;
   p.window = 4;
   const kvevict::LayerDefensiveKV ok(p);
@@ -434,8 +446,9 @@ TEST_CASE("LayerGlobalPolicy errors: no layer, bad layer shapes, bad params", "[
   REQUIRE_THROWS_MATCHES(p3.add(st.in), kvevict::invalid_argument, MessageContains("n_kept must be in [1, 20]"));
   kvevict::LayerGlobalPolicy<kvevict::CriticalSelector>::Params cp;
   cp.first_stage_ratio = 1.5;
-  REQUIRE_THROWS_MATCHES(kvevict::LayerGlobalPolicy<kvevict::CriticalSelector>(cp), kvevict::invalid_argument,
-                         MessageContains("kvevict::LayerGlobalPolicy<CriticalSelector>::Params: first_stage_ratio must be in [0, 1]"));
+  REQUIRE_THROWS_MATCHES(
+      kvevict::LayerGlobalPolicy<kvevict::CriticalSelector>(cp), kvevict::invalid_argument,
+      MessageContains("kvevict::LayerGlobalPolicy<CriticalSelector>::Params: first_stage_ratio must be in [0, 1]"));
   cp.first_stage_ratio = 0.5;
   cp.kernel = 4;
   REQUIRE_THROWS_MATCHES(kvevict::LayerGlobalPolicy<kvevict::CriticalSelector>(cp), kvevict::invalid_argument,

@@ -1,6 +1,6 @@
-// forcing/mass_forcing.hpp: DefensiveKV's cumulative-attention-mass forcing (docs/algorithms.md section 2.6), corrected and under
-// reference_quirks (window bias of the prefix tail, cap int(P (1 - cr) - w), negative cap = "all but the last |cap|"),
-// against hand-worked numbers and kvevict_ref::mass_forced.
+// forcing/mass_forcing.hpp: DefensiveKV's cumulative-attention-mass forcing (docs/algorithms.md section 2.6), corrected
+// and under reference_quirks (window bias of the prefix tail, cap int(P (1 - cr) - w), negative cap = "all but the last
+// |cap|"), against hand-worked numbers and kvevict_ref::mass_forced.
 #include <catch2/catch.hpp>
 
 #include <kvevict/extend.hpp>
@@ -15,8 +15,8 @@
 #include "support/selector_inputs.hpp"
 
 using kvevict::Index;
-using kvevict::extend::MassStatistics;
 using kvevict::RowMatrix;
+using kvevict::extend::MassStatistics;
 using kvevict_test::Forced;
 using kvevict_test::Rng;
 using kvevict_test::Shape;
@@ -54,7 +54,9 @@ Idx sorted(Idx v) {
   return v;
 }
 
-Idx first(const Idx& order, std::size_t n) { return Idx(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(n)); }
+Idx first(const Idx& order, std::size_t n) {
+  return Idx(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(n));
+}
 
 // Both heads' forced tokens, ascending, in the reference's form.
 template <class S>
@@ -86,9 +88,7 @@ TEST_CASE("mass forcing on a hand-worked 2-KV-head, 12-token layer: window bias 
   CHECK(statistics<float>(attn, kShape, false).window_bias() == 9.0 / 32);
   // P < w under quirks: the tail is the whole prefix. H = Hkv = 1, w = 3, L = 5, P = 2: row masses on [0, 2):
   // .8, .4, .4 -> mean .8 / 1.6 ... (0.5 + 0.3) + (0.2 + 0.2) + (0.1 + 0.3) = 1.6 over 3 rows.
-  const std::vector<double> tiny = {0.5, 0.3, 0.2, 0.0, 0.0,
-                                    0.2, 0.2, 0.2, 0.4, 0.0,
-                                    0.1, 0.3, 0.2, 0.2, 0.2};
+  const std::vector<double> tiny = {0.5, 0.3, 0.2, 0.0, 0.0, 0.2, 0.2, 0.2, 0.4, 0.0, 0.1, 0.3, 0.2, 0.2, 0.2};
   CHECK(statistics(tiny, Shape{1, 1, 3, 5, 1}, true).window_bias() == Approx(1.6 / 3).epsilon(1e-15));
   CHECK(statistics(tiny, Shape{1, 1, 3, 5, 1}, false).window_bias() == Approx(1.4 / 3).epsilon(1e-15));
 }
@@ -134,7 +134,7 @@ TEST_CASE("mass forcing on a hand-worked layer under reference_quirks, including
   const MassStatistics<double> m = statistics(attn, kShape, true);
   const double bias = 11.0 / 32;
   // cap = int(P (1 - cr) - w) = int(8 (1 - cr) - 4), in double, truncated toward zero.
-  CHECK(quirk_cap(8, 4, 0.2) == 2);    // int(2.4)
+  CHECK(quirk_cap(8, 4, 0.2) == 2);  // int(2.4)
   CHECK(quirk_cap(8, 4, 0.0) == 4);
   CHECK(quirk_cap(8, 4, 0.5) == 0);
   CHECK(quirk_cap(8, 4, 0.55) == 0);   // int(-0.4) = 0: truncation, not floor
@@ -170,15 +170,16 @@ TEST_CASE("mass forcing on a hand-worked layer under reference_quirks, including
             kvevict_ref::mass_forced(attn, 4, 2, 4, 12, threshold, 2, true, cr));
 }
 
-TEST_CASE("mass forcing: c >= tau at an exact crossing (dyadic masses), ties to the more recent token", "[mass_forcing]") {
+TEST_CASE("mass forcing: c >= tau at an exact crossing (dyadic masses), ties to the more recent token",
+          "[mass_forcing]") {
   // H = Hkv = 1, w = 1, L = 6, P = 5: row [1/4 1/8 1/16 1/16 0 | 1/2] -> p = [1/2 1/4 1/8 1/8 0] exactly; order 0, 1,
   // then the tie 3 before 2, then 4; c = 1/2, 3/4, 7/8, 1, 1. Window bias (corrected) 1/2.
   const std::vector<double> attn = {0.25, 0.125, 0.0625, 0.0625, 0.0, 0.5};
   const Shape s{1, 1, 1, 6, 1};
   const MassStatistics<double> m = statistics(attn, s, false);
   CHECK(m.window_bias() == 0.5);
-  CHECK(m.forced_tokens(0, 1.25 - m.window_bias(), 5) == Idx{0});        // tau 3/4 == c[1]: crosses at index 1
-  CHECK(m.forced_tokens(0, 0.75 + 1e-12, 5) == Idx{0, 1});              // just above: index 2
+  CHECK(m.forced_tokens(0, 1.25 - m.window_bias(), 5) == Idx{0});  // tau 3/4 == c[1]: crosses at index 1
+  CHECK(m.forced_tokens(0, 0.75 + 1e-12, 5) == Idx{0, 1});         // just above: index 2
   CHECK(m.forced_tokens(0, 0.75 - 1e-12, 5) == Idx{0});
   CHECK(m.forced_tokens(0, 1.5 - m.window_bias(), 5) == Idx{0, 1, 3});  // tau 1 == c[3]: token 2 loses the tie
   CHECK(m.forced_tokens(0, 1.0 + 1e-12, 5).empty());                    // never reached
@@ -294,17 +295,17 @@ Idx full_sort_order(const std::vector<float>& p) {
   const Index P = static_cast<Index>(p.size());
   Idx order(p.size());
   for (Index j = 0; j < P; ++j) order[sz(j)] = j;
-  std::sort(order.begin(), order.end(), [&](Index a, Index b) {
-    return p[sz(a)] != p[sz(b)] ? p[sz(a)] > p[sz(b)] : a > b;
-  });
+  std::sort(order.begin(), order.end(),
+            [&](Index a, Index b) { return p[sz(a)] != p[sz(b)] ? p[sz(a)] > p[sz(b)] : a > b; });
   return order;
 }
 
 }  // namespace
 
-TEST_CASE("mass forcing ranks lazily (stopping at the cap when tau is surely reached) yet forces exactly what a full "
-          "sort does",
-          "[mass_forcing]") {
+TEST_CASE(
+    "mass forcing ranks lazily (stopping at the cap when tau is surely reached) yet forces exactly what a full "
+    "sort does",
+    "[mass_forcing]") {
   Rng rng(20261130);
   std::uniform_real_distribution<double> u01(0.0, 1.0);
   int cases = 0, stopped_early = 0;
@@ -316,10 +317,10 @@ TEST_CASE("mass forcing ranks lazily (stopping at the cap when tau is surely rea
       RowMatrix<float> rows(1, L);
       for (Index j = 0; j < P; ++j) {
         const double u = u01(rng);
-        rows(0, j) = kind == 0   ? static_cast<float>(u)                                 // diffuse
-                     : kind == 1 ? static_cast<float>(std::pow(u, 12.0))                 // peaked
-                     : kind == 2 ? static_cast<float>(std::floor(u * 4.0) / 4.0)         // exact ties, zeros
-                                 : (j % 3 == 0 ? static_cast<float>(u) : 0.0f);          // sparse
+        rows(0, j) = kind == 0   ? static_cast<float>(u)                          // diffuse
+                     : kind == 1 ? static_cast<float>(std::pow(u, 12.0))          // peaked
+                     : kind == 2 ? static_cast<float>(std::floor(u * 4.0) / 4.0)  // exact ties, zeros
+                                 : (j % 3 == 0 ? static_cast<float>(u) : 0.0f);   // sparse
       }
       rows(0, P) = 0.5f;
       MassStatistics<float> m(shape, false);

@@ -33,7 +33,7 @@ std::vector<double> library_scores(const kvevict::LayerInputs<T>& in, Index w, I
 }
 
 std::vector<Shape> shapes(Rng& rng, int n_random) {
-  std::vector<Shape> out = {{1, 1, 1, 2, 16},  {2, 2, 1, 3, 16},     {8, 2, 4, 9, 64},   {8, 8, 32, 33, 16},
+  std::vector<Shape> out = {{1, 1, 1, 2, 16},    {2, 2, 1, 3, 16},   {8, 2, 4, 9, 64},    {8, 8, 32, 33, 16},
                             {4, 1, 32, 90, 128}, {8, 4, 4, 12, 128}, {2, 1, 4, 3000, 16}, {1, 1, 32, 1200, 16}};
   for (int i = 0; i < n_random; ++i) out.push_back(kvevict_test::random_shape(rng, 200));
   return out;
@@ -61,12 +61,9 @@ TEST_CASE("mean_scores from queries matches the reference (double and float arit
       {
         INFO(kvevict_test::describe(s) << " kernel=" << kernel << " " << kvevict::to_string(p));
         const std::vector<double> want = kvevict_ref::mean_scores(attn, s.H, s.Hkv, s.w, s.L, kernel, ref_pool(p));
-        REQUIRE(kvevict_test::compare_close(library_scores<double>(st_d.in, s.w, kernel, p), want, 1e-11, 1e-18) ==
-                "");
-        REQUIRE(kvevict_test::compare_close(library_scores<float>(st_f.in, s.w, kernel, p), want, 2e-5, 1e-10) ==
-                "");
-        REQUIRE(kvevict_test::compare_close(library_scores<double>(st_f.in, s.w, kernel, p), want, 1e-11, 1e-18) ==
-                "");
+        REQUIRE(kvevict_test::compare_close(library_scores<double>(st_d.in, s.w, kernel, p), want, 1e-11, 1e-18) == "");
+        REQUIRE(kvevict_test::compare_close(library_scores<float>(st_f.in, s.w, kernel, p), want, 2e-5, 1e-10) == "");
+        REQUIRE(kvevict_test::compare_close(library_scores<double>(st_f.in, s.w, kernel, p), want, 1e-11, 1e-18) == "");
       }
     }
   }

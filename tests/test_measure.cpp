@@ -1,6 +1,6 @@
-// measure/perturbation.hpp (docs/algorithms.md section 4): retained attention mass and output perturbation of a selection,
-// measured with future queries; a hand-checked tiny case, the full cache, consistency of mean / min / relative with
-// per_query, an independent double-loop computation, and errors.
+// measure/perturbation.hpp (docs/algorithms.md section 4): retained attention mass and output perturbation of a
+// selection, measured with future queries; a hand-checked tiny case, the full cache, consistency of mean / min /
+// relative with per_query, an independent double-loop computation, and errors.
 #include <catch2/catch.hpp>
 
 #include <kvevict/kvevict.hpp>
@@ -37,7 +37,8 @@ Selection everything(Index heads, Index tokens) {
   return Selection::from_flags(std::vector<std::uint8_t>(sz(heads * tokens), 1), heads, tokens);
 }
 
-// Independent double loops: softmax over all L keys for future query f of head q, then the sums of docs/algorithms.md section 4.
+// Independent double loops: softmax over all L keys for future query f of head q, then the sums of docs/algorithms.md
+// section 4.
 struct Direct {
   std::vector<double> mass;          // [H, F]
   std::vector<double> perturbation;  // [F]
@@ -56,8 +57,7 @@ Direct direct(const std::vector<double>& fq, const kvevict_test::VLayer& l, int 
       double m = -HUGE_VAL;
       for (int j = 0; j < s.L; ++j) {
         double dot = 0;
-        for (int c = 0; c < s.d; ++c)
-          dot += fq[sz((q * F + f) * s.d + c)] * l.k[sz((h * s.L + j) * s.d + c)];
+        for (int c = 0; c < s.d; ++c) dot += fq[sz((q * F + f) * s.d + c)] * l.k[sz((h * s.L + j) * s.d + c)];
         a[sz(j)] = dot / std::sqrt(static_cast<double>(s.d));
         m = std::max(m, a[sz(j)]);
       }
@@ -71,8 +71,7 @@ Direct direct(const std::vector<double>& fq, const kvevict_test::VLayer& l, int 
         const double ak = sel.kept(h, j) && km > 0 ? a[sz(j)] / km : 0.0;
         for (int r = 0; r < l.D; ++r) {
           double vw = 0;  // V[h][j] . W_o[r, q*d : (q+1)*d]
-          for (int c = 0; c < s.d; ++c)
-            vw += l.v[sz((h * s.L + j) * s.d + c)] * l.w_o[sz(r * s.H * s.d + q * s.d + c)];
+          for (int c = 0; c < s.d; ++c) vw += l.v[sz((h * s.L + j) * s.d + c)] * l.w_o[sz(r * s.H * s.d + q * s.d + c)];
           full[sz(f * l.D + r)] += a[sz(j)] * vw;
           kept[sz(f * l.D + r)] += ak * vw;
         }
@@ -97,7 +96,8 @@ Direct direct(const std::vector<double>& fq, const kvevict_test::VLayer& l, int 
 TEST_CASE("retained mass and output perturbation on a hand-checked tiny case", "[measure]") {
   // H = 2 query heads on Hkv = 1 (G = 2), head_dim 1, L = 3, F = 2 future queries, D = 2.
   // Keys [0, ln 2, ln 3]: query q gives softmax proportional to [1, 2^q, 3^q].
-  //   head 0: f0 q = 1 -> [1 2 3] / 6;  f1 q = 0 -> [1 1 1] / 3.   head 1: f0 q = 0 -> uniform;  f1 q = 2 -> [1 4 9] / 14.
+  //   head 0: f0 q = 1 -> [1 2 3] / 6;  f1 q = 0 -> [1 1 1] / 3.   head 1: f0 q = 0 -> uniform;  f1 q = 2 -> [1 4 9]
+  //   / 14.
   // Kept {1, 2}: mass head 0 = 5/6, 2/3; head 1 = 2/3, 13/14. Mean (5/6 + 2/3 + 2/3 + 13/14) / 4, min 2/3.
   const std::vector<double> keys = {0.0, std::log(2.0), std::log(3.0)};
   const std::vector<double> fq = {1, 0, 0, 2};  // [H = 2, F = 2, d = 1]
@@ -208,7 +208,8 @@ TEST_CASE("measurement on random layers: full cache, consistency of the summarie
       const auto ff = HeadsView<const float>::heads_major(fqf.data(), s.H, F, s.d);
       CHECK(kvevict::retained_attention_mass(ff, fl.in.keys, sel).mean == Approx(m.mean).epsilon(1e-4));
       // A superset keeps at least as much mass for every query.
-      const Selection more = kvevict::DefensiveKV(p).select<double>(hm.in, Budget::tokens(std::min<std::int64_t>(s.L, 2 * n)));
+      const Selection more =
+          kvevict::DefensiveKV(p).select<double>(hm.in, Budget::tokens(std::min<std::int64_t>(s.L, 2 * n)));
       bool superset = true;
       for (Index h = 0; h < s.Hkv; ++h)
         for (auto j : sel.head(h)) superset = superset && more.kept(h, j);
@@ -230,29 +231,33 @@ TEST_CASE("measurement errors", "[measure][errors]") {
   const std::vector<double> fq = kvevict_test::normal_vector(sz(4 * 3 * 8), rng);
   const auto f = HeadsView<const double>::heads_major(fq.data(), 4, 3, 8);
   const Selection sel = everything(2, 20);
-  REQUIRE_THROWS_MATCHES(kvevict::retained_attention_mass(HeadsView<const double>::heads_major(fq.data(), 3, 4, 8),
-                                                          st.in.keys, sel),
-                         kvevict::invalid_argument,
-                         MessageContains("kvevict::retained_attention_mass: future_queries heads (3) must be a multiple "
-                                         "of the KV heads (2)"));
-  REQUIRE_THROWS_MATCHES(kvevict::retained_attention_mass(HeadsView<const double>::heads_major(fq.data(), 4, 6, 4),
-                                                          st.in.keys, sel),
-                         kvevict::invalid_argument, MessageContains("future_queries head_dim (4) must equal the keys head_dim (8)"));
+  REQUIRE_THROWS_MATCHES(
+      kvevict::retained_attention_mass(HeadsView<const double>::heads_major(fq.data(), 3, 4, 8), st.in.keys, sel),
+      kvevict::invalid_argument,
+      MessageContains("kvevict::retained_attention_mass: future_queries heads (3) must be a multiple "
+                      "of the KV heads (2)"));
+  REQUIRE_THROWS_MATCHES(
+      kvevict::retained_attention_mass(HeadsView<const double>::heads_major(fq.data(), 4, 6, 4), st.in.keys, sel),
+      kvevict::invalid_argument, MessageContains("future_queries head_dim (4) must equal the keys head_dim (8)"));
   REQUIRE_THROWS_MATCHES(kvevict::retained_attention_mass(HeadsView<const double>(), st.in.keys, sel),
-                         kvevict::invalid_argument, MessageContains("future_queries must be a non-empty [H, F, head_dim] view"));
-  REQUIRE_THROWS_MATCHES(kvevict::retained_attention_mass(f, st.in.keys, everything(2, 19)), kvevict::invalid_argument,
-                         MessageContains("the selection (2 heads over 19 tokens) must match the keys (2 heads over 20 tokens)"));
+                         kvevict::invalid_argument,
+                         MessageContains("future_queries must be a non-empty [H, F, head_dim] view"));
+  REQUIRE_THROWS_MATCHES(
+      kvevict::retained_attention_mass(f, st.in.keys, everything(2, 19)), kvevict::invalid_argument,
+      MessageContains("the selection (2 heads over 19 tokens) must match the keys (2 heads over 20 tokens)"));
   REQUIRE_THROWS_MATCHES(kvevict::retained_attention_mass(f, st.in.keys, everything(1, 20)), kvevict::invalid_argument,
                          MessageContains("must match the keys"));
   kvevict::LayerInputs<double> bad = st.in;
   bad.w_o = kvevict::output_projection<const double>(st.w_o.data(), 6, 2, 8);
-  REQUIRE_THROWS_MATCHES(kvevict::output_perturbation(f, bad, sel), kvevict::invalid_argument,
-                         MessageContains("kvevict::output_perturbation: w_o must be W_o [hidden, H * head_dim] with H = 4"));
+  REQUIRE_THROWS_MATCHES(
+      kvevict::output_perturbation(f, bad, sel), kvevict::invalid_argument,
+      MessageContains("kvevict::output_perturbation: w_o must be W_o [hidden, H * head_dim] with H = 4"));
   bad = st.in;
   bad.values = {};
   REQUIRE_THROWS_MATCHES(kvevict::output_perturbation(f, bad, sel), kvevict::invalid_argument,
                          MessageContains("values must be [2, 20, head_dim] like the keys"));
   bad = st.in;
   bad.w_o = {};
-  REQUIRE_THROWS_MATCHES(kvevict::output_perturbation(f, bad, sel), kvevict::invalid_argument, MessageContains("w_o must be"));
+  REQUIRE_THROWS_MATCHES(kvevict::output_perturbation(f, bad, sel), kvevict::invalid_argument,
+                         MessageContains("w_o must be"));
 }

@@ -31,8 +31,8 @@ struct Knobs {
 };
 
 template <class P>
-P make(const Shape& s, const Knobs& k, HeadAdaptiveAllocation::Variant variant = HeadAdaptiveAllocation::Variant::kvpress,
-       double alpha = 0.2) {
+P make(const Shape& s, const Knobs& k,
+       HeadAdaptiveAllocation::Variant variant = HeadAdaptiveAllocation::Variant::kvpress, double alpha = 0.2) {
   typename P::Params p;
   p.window = s.w;
   p.kernel = k.kernel;
@@ -67,9 +67,9 @@ std::vector<FormedBudget> forms(std::int64_t n, std::int64_t L) {
 }
 
 std::vector<Shape> policy_shapes(Rng& rng, int n_random) {
-  std::vector<Shape> out = {{1, 1, 1, 2, 16},    {2, 1, 4, 5, 16},     {8, 2, 32, 33, 64}, {8, 8, 32, 40, 16},
-                            {4, 4, 1, 64, 128},  {8, 1, 4, 100, 16},   {2, 2, 4, 5000, 16}, {4, 2, 32, 900, 16},
-                            {1, 1, 1, 2500, 64}};
+  std::vector<Shape> out = {{1, 1, 1, 2, 16},    {2, 1, 4, 5, 16},    {8, 2, 32, 33, 64},
+                            {8, 8, 32, 40, 16},  {4, 4, 1, 64, 128},  {8, 1, 4, 100, 16},
+                            {2, 2, 4, 5000, 16}, {4, 2, 32, 900, 16}, {1, 1, 1, 2500, 64}};
   for (int i = 0; i < n_random; ++i) out.push_back(kvevict_test::random_shape(rng, 200));
   return out;
 }
@@ -81,8 +81,8 @@ TEST_CASE("SnapKV and AdaKV (both variants) select<double> like the reference, o
   // Each (budget, form) goes through one of three routes in turn, so that all meet the reference: the window
   // queries, the library's own attention rows, and the reference's attention rows (precomputed-attention input).
   Rng rng(81);
-  const Knobs knobs[] = {{5, Pooling::avg}, {7, Pooling::max}, {1, Pooling::avg}, {5, Pooling::max},
-                         {7, Pooling::avg}, {1, Pooling::max}};
+  const Knobs knobs[] = {{5, Pooling::avg}, {7, Pooling::max}, {1, Pooling::avg},
+                         {5, Pooling::max}, {7, Pooling::avg}, {1, Pooling::max}};
   int i = 0;
   for (const Shape& s : policy_shapes(rng, 18)) {
     const Knobs k = knobs[i++ % 6];
@@ -102,9 +102,8 @@ TEST_CASE("SnapKV and AdaKV (both variants) select<double> like the reference, o
     for (std::int64_t n : kvevict_test::budget_sweep(s, rng))
       for (const FormedBudget& b : forms(n, s.L)) {
         const int r = turn++ % 3;
-        INFO(kvevict_test::describe(s) << " kernel=" << k.kernel << " " << kvevict::to_string(k.pooling)
-                                       << " budget " << b.form << " n_kept=" << b.n_kept << " route "
-                                       << route_names[r]);
+        INFO(kvevict_test::describe(s) << " kernel=" << k.kernel << " " << kvevict::to_string(k.pooling) << " budget "
+                                       << b.form << " n_kept=" << b.n_kept << " route " << route_names[r]);
         const kvevict::LayerInputs<double>& in = routes[r];
         const Selection a = snap.select<double>(in, b.budget);
         REQUIRE(kvevict_test::first_difference(kvevict_test::kept_of(a),
@@ -113,8 +112,8 @@ TEST_CASE("SnapKV and AdaKV (both variants) select<double> like the reference, o
         REQUIRE(kvevict_test::first_difference(kvevict_test::kept_of(c),
                                                kvevict_ref::adakv(scores, s.Hkv, s.w, s.L, b.n_kept, 0.2)) == "");
         const Selection o = orig.select<double>(in, b.budget);
-        REQUIRE(kvevict_test::first_difference(
-                    kvevict_test::kept_of(o), kvevict_ref::adakv_original(scores, s.Hkv, s.w, s.L, b.n_kept, 0.2)) ==
+        REQUIRE(kvevict_test::first_difference(kvevict_test::kept_of(o),
+                                               kvevict_ref::adakv_original(scores, s.Hkv, s.w, s.L, b.n_kept, 0.2)) ==
                 "");
       }
   }
@@ -216,8 +215,8 @@ TEST_CASE("double arithmetic: layouts, routes and float-vs-double storage agree"
 
 TEST_CASE("GQA: a group of G identical query heads selects like a single query head", "[policies]") {
   Rng rng(85);
-  for (const Shape& grouped : {Shape{8, 2, 4, 60, 16}, Shape{4, 1, 32, 80, 64}, Shape{8, 8, 1, 30, 16},
-                               Shape{8, 1, 4, 200, 16}}) {
+  for (const Shape& grouped :
+       {Shape{8, 2, 4, 60, 16}, Shape{4, 1, 32, 80, 64}, Shape{8, 8, 1, 30, 16}, Shape{8, 1, 4, 200, 16}}) {
     INFO(kvevict_test::describe(grouped));
     Shape single = grouped;
     single.H = grouped.Hkv;
@@ -227,7 +226,8 @@ TEST_CASE("GQA: a group of G identical query heads selects like a single query h
     lg.q.clear();
     for (int h = 0; h < grouped.Hkv; ++h)
       for (int g = 0; g < grouped.G(); ++g)
-        lg.q.insert(lg.q.end(), ls.q.begin() + h * grouped.w * grouped.d, ls.q.begin() + (h + 1) * grouped.w * grouped.d);
+        lg.q.insert(lg.q.end(), ls.q.begin() + h * grouped.w * grouped.d,
+                    ls.q.begin() + (h + 1) * grouped.w * grouped.d);
     const auto ss = kvevict_test::store<double>(ls, Layout::heads_major);
     const auto sg = kvevict_test::store<double>(lg, Layout::tokens_major);
     for (Knobs k : {Knobs{5, Pooling::avg}, Knobs{7, Pooling::max}}) {
@@ -265,10 +265,10 @@ TEST_CASE("SnapKV on a hand-made layer keeps the attended tokens", "[policies]")
   std::vector<double> attn(20, 0.0);
   attn[1] = 0.5;
   attn[6] = 0.3;
-  attn[8] = 0.2;            // row 0: window column
+  attn[8] = 0.2;  // row 0: window column
   attn[10 + 6] = 0.6;
   attn[10 + 3] = 0.1;
-  attn[10 + 9] = 0.3;       // row 1
+  attn[10 + 9] = 0.3;  // row 1
   const std::vector<double> keys(sz(s.L * s.d), 0.0);
   const auto in = kvevict_test::attention_inputs(attn, keys, s);
   const auto snap = make<kvevict::SnapKV>(s, Knobs{1, Pooling::avg});
@@ -282,8 +282,7 @@ TEST_CASE("SnapKV on a hand-made layer keeps the attended tokens", "[policies]")
   CHECK(kvevict_test::kept_of(snap.select(in, Budget::tokens(10))) == Kept{{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}});
 }
 
-TEST_CASE("policy parameters: the papers' defaults, and a policy used as a base reuses its allocation",
-          "[policies]") {
+TEST_CASE("policy parameters: the papers' defaults, and a policy used as a base reuses its allocation", "[policies]") {
   const kvevict::SnapKV snap;
   CHECK(snap.params().window == 32);
   CHECK(snap.params().kernel == 5);
@@ -292,8 +291,8 @@ TEST_CASE("policy parameters: the papers' defaults, and a policy used as a base 
   const kvevict::AdaKV ada;
   CHECK(ada.params().alpha == 0.2);
   CHECK(ada.params().variant == HeadAdaptiveAllocation::Variant::kvpress);
-  static_assert(std::is_same_v<kvevict::Policy<kvevict::AdaKV, kvevict::AttentionSelector>::Allocation,
-                               HeadAdaptiveAllocation>);
+  static_assert(
+      std::is_same_v<kvevict::Policy<kvevict::AdaKV, kvevict::AttentionSelector>::Allocation, HeadAdaptiveAllocation>);
   static_assert(std::is_same_v<kvevict::SnapKV::Allocation, kvevict::UniformAllocation>);
 
   Rng rng(87);

@@ -69,7 +69,8 @@ TEST_CASE("pool1d avg with kernel k is linear and preserves the total away from 
   const std::vector<double> y = kvevict_test::normal_vector(100, rng);
   std::vector<double> xy(100);
   for (std::size_t i = 0; i < 100; ++i) xy[i] = 2.0 * x[i] - y[i];
-  const std::vector<double> px = pool(x, 5, Pooling::avg), py = pool(y, 5, Pooling::avg), pxy = pool(xy, 5, Pooling::avg);
+  const std::vector<double> px = pool(x, 5, Pooling::avg), py = pool(y, 5, Pooling::avg),
+                            pxy = pool(xy, 5, Pooling::avg);
   for (std::size_t i = 0; i < 100; ++i) CHECK(pxy[i] == Approx(2.0 * px[i] - py[i]).margin(1e-14));
   // A delta away from the borders spreads into k entries of 1/k.
   std::vector<double> delta(20, 0.0);

@@ -32,13 +32,20 @@ namespace {
 enum class Values { normal, equal_attention, one_hot_attention, zero_values, huge, tiny, denormal };
 const char* to_string(Values v) {
   switch (v) {
-    case Values::normal: return "normal";
-    case Values::equal_attention: return "equal attention";
-    case Values::one_hot_attention: return "one-hot attention";
-    case Values::zero_values: return "zero values";
-    case Values::huge: return "huge magnitudes";
-    case Values::tiny: return "tiny magnitudes";
-    case Values::denormal: return "denormal values";
+    case Values::normal:
+      return "normal";
+    case Values::equal_attention:
+      return "equal attention";
+    case Values::one_hot_attention:
+      return "one-hot attention";
+    case Values::zero_values:
+      return "zero values";
+    case Values::huge:
+      return "huge magnitudes";
+    case Values::tiny:
+      return "tiny magnitudes";
+    case Values::denormal:
+      return "denormal values";
   }
   return "?";
 }
@@ -56,12 +63,25 @@ Shape edge_shape(int which, Rng& rng) {
   s.L = s.w + pick(1, 40);
   s.d = pick(1, 8);
   switch (which % 6) {
-    case 0: s.L = s.w + 1; break;            // one prefix token
-    case 1: s.Hkv = 1; s.H = pick(1, 4); break;  // a single KV head (MQA)
-    case 2: s.H = s.Hkv; break;             // no grouping (MHA)
-    case 3: s.Hkv = pick(1, 2); s.H = 8 * s.Hkv; break;  // G = 8
-    case 4: s.d = 1; break;                 // head_dim 1
-    default: break;                         // random
+    case 0:
+      s.L = s.w + 1;
+      break;  // one prefix token
+    case 1:
+      s.Hkv = 1;
+      s.H = pick(1, 4);
+      break;  // a single KV head (MQA)
+    case 2:
+      s.H = s.Hkv;
+      break;  // no grouping (MHA)
+    case 3:
+      s.Hkv = pick(1, 2);
+      s.H = 8 * s.Hkv;
+      break;  // G = 8
+    case 4:
+      s.d = 1;
+      break;  // head_dim 1
+    default:
+      break;  // random
   }
   return s;
 }
@@ -79,8 +99,11 @@ VLayer adversarial_layer(const Shape& s, int D, Values kind, Rng& rng) {
     for (double& v : x) v *= f;
   };
   switch (kind) {
-    case Values::normal: break;
-    case Values::equal_attention: std::fill(l.q.begin(), l.q.end(), 0.0); break;  // every logit 0
+    case Values::normal:
+      break;
+    case Values::equal_attention:
+      std::fill(l.q.begin(), l.q.end(), 0.0);
+      break;  // every logit 0
     case Values::one_hot_attention: {
       // Each query row points hard at one random key of its KV head: softmax ~ one-hot.
       const int G = s.G();
@@ -88,14 +111,23 @@ VLayer adversarial_layer(const Shape& s, int D, Values kind, Rng& rng) {
         for (int r = 0; r < s.w; ++r) {
           const int j = std::uniform_int_distribution<int>(0, s.L - 1)(rng);
           for (int c = 0; c < s.d; ++c)
-            l.q[(sz(h) * sz(s.w) + sz(r)) * sz(s.d) + sz(c)] = 60.0 * l.k[(sz(h / G) * sz(s.L) + sz(j)) * sz(s.d) + sz(c)];
+            l.q[(sz(h) * sz(s.w) + sz(r)) * sz(s.d) + sz(c)] =
+                60.0 * l.k[(sz(h / G) * sz(s.L) + sz(j)) * sz(s.d) + sz(c)];
         }
       break;
     }
-    case Values::zero_values: std::fill(l.v.begin(), l.v.end(), 0.0); break;
-    case Values::huge: scale(l.k, 1e6), scale(l.q, 1e6), scale(l.v, 1e15), scale(l.w_o, 1e10); break;
-    case Values::tiny: scale(l.k, 1e-25), scale(l.q, 1e-25), scale(l.v, 1e-30), scale(l.w_o, 1e-8); break;
-    case Values::denormal: scale(l.v, 1e-40), scale(l.q, 1e-3); break;  // float denormals in the values
+    case Values::zero_values:
+      std::fill(l.v.begin(), l.v.end(), 0.0);
+      break;
+    case Values::huge:
+      scale(l.k, 1e6), scale(l.q, 1e6), scale(l.v, 1e15), scale(l.w_o, 1e10);
+      break;
+    case Values::tiny:
+      scale(l.k, 1e-25), scale(l.q, 1e-25), scale(l.v, 1e-30), scale(l.w_o, 1e-8);
+      break;
+    case Values::denormal:
+      scale(l.v, 1e-40), scale(l.q, 1e-3);
+      break;  // float denormals in the values
   }
   return l;
 }
@@ -150,8 +182,8 @@ void check_policy(const char* what, Contract contract, bool keeps_window, int ca
     p.window = s.w;
     const Policy configured(p);
     const std::string where = std::string(what) + " case " + std::to_string(c) + ": " + kvevict_test::describe(s) +
-                              " D=" + std::to_string(D) + " n_kept=" + std::to_string(n_kept) + " " +
-                              to_string(kind) + (std::is_same_v<T, float> ? " float" : " double");
+                              " D=" + std::to_string(D) + " n_kept=" + std::to_string(n_kept) + " " + to_string(kind) +
+                              (std::is_same_v<T, float> ? " float" : " double");
     failures += case_failed(where, [&] {
       const Selection a = configured.select(stored.in, Budget::tokens(n_kept));
       const Selection b = configured.select(stored.in, Budget::tokens(n_kept));
@@ -271,7 +303,9 @@ TEMPLATE_TEST_CASE("properties: NaN or Inf anywhere in the inputs is refused wit
     expect_refusal([&] { kvevict::CriticalKV(cp).select(stored.in, Budget::tokens(n_kept)); });
     kvevict::LayerDefensiveKV::Params lp;
     lp.window = s.w;
-    expect_refusal([&] { kvevict::LayerDefensiveKV(lp).select(std::vector<kvevict::LayerInputs<T>>{stored.in}, Budget::tokens(n_kept)); });
+    expect_refusal([&] {
+      kvevict::LayerDefensiveKV(lp).select(std::vector<kvevict::LayerInputs<T>>{stored.in}, Budget::tokens(n_kept));
+    });
     if (tensor <= 1) {  // attention-only policies read queries and keys
       kvevict::SnapKV::Params sp;
       sp.window = s.w;

@@ -131,9 +131,9 @@ TEST_CASE("selections of the policies have a sound structure and a matching mask
   ps.window = s.w;
   const kvevict::SnapKV snap(ps);
   for (std::int64_t n : {1, 3, 4, 5, 20, 89, 90}) {
-    for (const Selection& sel : {ada.select(st.in, kvevict::Budget::tokens(n)),
-                                 snap.select(st.in, kvevict::Budget::tokens(n)),
-                                 kvevict::StreamingLLM().select(st.in, kvevict::Budget::tokens(n))}) {
+    for (const Selection& sel :
+         {ada.select(st.in, kvevict::Budget::tokens(n)), snap.select(st.in, kvevict::Budget::tokens(n)),
+          kvevict::StreamingLLM().select(st.in, kvevict::Budget::tokens(n))}) {
       REQUIRE(kvevict_test::structure_errors(sel, s.Hkv, s.L) == "");
       REQUIRE(kvevict_test::mask_errors(sel) == "");
       CHECK(sel.offsets().size() == sz(s.Hkv) + 1);
@@ -235,7 +235,8 @@ TEST_CASE("compact() errors: capacity, heads, tokens, head_dim", "[selection][co
                          kvevict::invalid_argument, MessageContains("destination capacity (2 rows)"));
   REQUIRE_THROWS_MATCHES(sel.compact(kvevict::kv_heads_major<const float>(src.data(), 1, 4, 3),
                                      kvevict::kv_heads_major<float>(dst.data(), 2, 4, 3)),
-                         kvevict::invalid_argument, MessageContains("source heads (1) must equal the selection's KV heads (2)"));
+                         kvevict::invalid_argument,
+                         MessageContains("source heads (1) must equal the selection's KV heads (2)"));
   REQUIRE_THROWS_MATCHES(sel.compact(kvevict::kv_heads_major<const float>(src.data(), 2, 3, 3),
                                      kvevict::kv_heads_major<float>(dst.data(), 2, 4, 3)),
                          kvevict::invalid_argument,

@@ -91,12 +91,13 @@ TEST_CASE("StreamingLLM errors", "[streaming][errors]") {
   REQUIRE_THROWS_MATCHES(StreamingLLM(p), kvevict::invalid_argument,
                          MessageContains("kvevict::StreamingLLM::Params: sinks must be >= 0, got -1"));
   const StreamingLLM s;
-  REQUIRE_THROWS_MATCHES(s.select(0, 10, Budget::tokens(1)), kvevict::invalid_argument,
-                         MessageContains("kvevict::StreamingLLM::select: needs kv_heads >= 1 and tokens >= 1, got 0 and 10"));
-  REQUIRE_THROWS_MATCHES(s.select(2, 0, Budget::tokens(1)), kvevict::invalid_argument,
-                         MessageContains("got 2 and 0"));
-  REQUIRE_THROWS_MATCHES(s.select(2, 10, Budget::keep_ratio(0.05)), kvevict::invalid_argument,
-                         MessageContains("kvevict::StreamingLLM::select: n_kept must be in [1, 10] (the context length), got 0"));
+  REQUIRE_THROWS_MATCHES(
+      s.select(0, 10, Budget::tokens(1)), kvevict::invalid_argument,
+      MessageContains("kvevict::StreamingLLM::select: needs kv_heads >= 1 and tokens >= 1, got 0 and 10"));
+  REQUIRE_THROWS_MATCHES(s.select(2, 0, Budget::tokens(1)), kvevict::invalid_argument, MessageContains("got 2 and 0"));
+  REQUIRE_THROWS_MATCHES(
+      s.select(2, 10, Budget::keep_ratio(0.05)), kvevict::invalid_argument,
+      MessageContains("kvevict::StreamingLLM::select: n_kept must be in [1, 10] (the context length), got 0"));
   REQUIRE_THROWS_MATCHES(s.select(2, 10, Budget::tokens(11)), kvevict::invalid_argument,
                          MessageContains("n_kept must be in [1, 10] (the context length), got 11"));
   REQUIRE_THROWS_MATCHES(s.select(2, 10, Budget::keep_ratio(0.05)), kvevict::invalid_argument,

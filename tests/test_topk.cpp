@@ -130,8 +130,7 @@ TEST_CASE("top_k_of_head matches a full sort in the 2.7 order, with many exact t
   }
 }
 
-TEST_CASE("top_k_counts matches a full sort of the flattened layer, with and without an eligibility filter",
-          "[topk]") {
+TEST_CASE("top_k_counts matches a full sort of the flattened layer, with and without an eligibility filter", "[topk]") {
   Rng rng(62);
   for (int t = 0; t < 60; ++t) {
     const Index heads = std::uniform_int_distribution<Index>(1, 8)(rng);
@@ -152,7 +151,8 @@ TEST_CASE("top_k_counts matches a full sort of the flattened layer, with and wit
       if (sz(k) <= scored.size()) {
         std::vector<Index> want_s(sz(heads), 0);
         for (std::size_t f : brute_top_k(m, scored, sz(k))) ++want_s[f / sz(tokens)];
-        REQUIRE(kvevict::extend::top_k_counts(m, k, [&](std::size_t f) { return m.tier[f] == Tier::scored; }) == want_s);
+        REQUIRE(kvevict::extend::top_k_counts(m, k, [&](std::size_t f) { return m.tier[f] == Tier::scored; }) ==
+                want_s);
       }
     }
   }
@@ -196,5 +196,6 @@ TEST_CASE("top-k in float scores behaves like double", "[topk]") {
   ScoreMap<double> md(4, 50);
   md.score = kvevict_test::quantised_scores(200, 3, rng);
   mf.score = kvevict_test::cast_to<float>(md.score);
-  for (Index k : {0, 1, 33, 100, 200}) CHECK(kvevict::extend::top_k_counts(mf, k) == kvevict::extend::top_k_counts(md, k));
+  for (Index k : {0, 1, 33, 100, 200})
+    CHECK(kvevict::extend::top_k_counts(mf, k) == kvevict::extend::top_k_counts(md, k));
 }

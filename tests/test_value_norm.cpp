@@ -1,6 +1,7 @@
-// value/value_norm.hpp: the value term of CriticalKV / DefensiveKV (docs/algorithms.md section 2.4), N[h][j] = mean over the
-// query heads q of group h of || V[h][j] (W_o^q)^T ||_p, against hand-worked numbers and the float64 reference;
-// output_projection() and OutputGram; the L2 Gram path ranks and selects exactly as the direct L2 computation.
+// value/value_norm.hpp: the value term of CriticalKV / DefensiveKV (docs/algorithms.md section 2.4), N[h][j] = mean
+// over the query heads q of group h of || V[h][j] (W_o^q)^T ||_p, against hand-worked numbers and the float64
+// reference; output_projection() and OutputGram; the L2 Gram path ranks and selects exactly as the direct L2
+// computation.
 #include <catch2/catch.hpp>
 
 #include <kvevict/extend.hpp>
@@ -33,7 +34,8 @@ template <class S, class T>
 std::vector<double> library_norms(const kvevict::KVView<const T>& values, const HeadsView<const T>& w_o, Index group,
                                   ValueNorm norm) {
   const OutputGram<S> gram = OutputGram<S>::compute(w_o);
-  const RowMatrix<S> n = kvevict::extend::value_norms<S>(values, w_o, group, norm, norm == ValueNorm::l2 ? &gram : nullptr);
+  const RowMatrix<S> n =
+      kvevict::extend::value_norms<S>(values, w_o, group, norm, norm == ValueNorm::l2 ? &gram : nullptr);
   std::vector<double> out;
   for (Index r = 0; r < n.rows(); ++r)
     for (Index c = 0; c < n.cols(); ++c) out.push_back(static_cast<double>(n(r, c)));
@@ -46,12 +48,11 @@ std::vector<double> library_norms(const kvevict::KVView<const T>& values, const 
 //   W_o^1 = [[2, -1], [1, 3]]  -> out = (2 v0 - v1, v0 + 3 v1)
 //   W_o^2 = [[1, 1], [0, 0]]   -> out = (v0 + v1, 0)
 //   W_o^3 = [[0, 2], [-2, 0]]  -> out = (2 v1, -2 v0)
-const std::vector<double> kWo = {1, 0, 2, -1, 1, 1, 0, 2,
-                                 0, 1, 1, 3, 0, 0, -2, 0};
+const std::vector<double> kWo = {1, 0, 2, -1, 1, 1, 0, 2, 0, 1, 1, 3, 0, 0, -2, 0};
 // Values [Hkv = 2, L = 12, d = 2].
 const std::vector<double> kV = {
-    1, 2, -1, 1, 0, 0, 3, 0, 0, -2, 2, 2, 1, -1, -3, 1, 0, 1, 2, -1, 1, 1, -2, -2,  // KV head 0 (query heads 0, 1)
-    2, 0, 1, 1, -1, 2, 0, 3, 1, -1, 4, -2, 0, 0, -1, -1, 3, 1, 0, -1, 2, 2, 1, -3,  // KV head 1 (query heads 2, 3)
+    1, 2, -1, 1, 0,  0, 3, 0, 0, -2, 2, 2,  1, -1, -3, 1,  0, 1, 2, -1, 1, 1, -2, -2,  // KV head 0 (query heads 0, 1)
+    2, 0, 1,  1, -1, 2, 0, 3, 1, -1, 4, -2, 0, 0,  -1, -1, 3, 1, 0, -1, 2, 2, 1,  -3,  // KV head 1 (query heads 2, 3)
 };
 // L1, KV head 0: token 0 v = (1, 2): q0 (1, 2) -> 3, q1 (0, 7) -> 7, mean 5; token 1 (-1, 1): q0 2, q1 (-3, 2) 5 ->
 // 3.5; token 2 (0, 0) -> 0; token 3 (3, 0): 3 and (6, 3) 9 -> 6; token 7 (-3, 1): 4 and (-7, 0) 7 -> 5.5; ...
@@ -64,10 +65,9 @@ const std::vector<double> kL1 = {5.0, 3.5, 0.0, 6.0, 5.0, 7.0, 3.5, 5.5, 2.5, 4.
 // (sqrt(4) + sqrt(80)) / 2.
 double l2_of(double a, double b) { return (std::sqrt(a) + std::sqrt(b)) / 2.0; }
 const std::vector<double> kL2 = {
-    l2_of(5, 49), l2_of(2, 13), l2_of(0, 0),  l2_of(9, 45),  l2_of(4, 40),  l2_of(8, 68),
-    l2_of(2, 13), l2_of(10, 49), l2_of(1, 10), l2_of(5, 26), l2_of(2, 17),  l2_of(8, 68),
-    l2_of(4, 16), l2_of(4, 8),  l2_of(1, 20), l2_of(9, 36),  l2_of(0, 8),   l2_of(4, 80),
-    l2_of(0, 0),  l2_of(4, 8),  l2_of(16, 40), l2_of(1, 4),  l2_of(16, 32), l2_of(4, 40),
+    l2_of(5, 49), l2_of(2, 13), l2_of(0, 0),  l2_of(9, 45), l2_of(4, 40),  l2_of(8, 68), l2_of(2, 13),  l2_of(10, 49),
+    l2_of(1, 10), l2_of(5, 26), l2_of(2, 17), l2_of(8, 68), l2_of(4, 16),  l2_of(4, 8),  l2_of(1, 20),  l2_of(9, 36),
+    l2_of(0, 8),  l2_of(4, 80), l2_of(0, 0),  l2_of(4, 8),  l2_of(16, 40), l2_of(1, 4),  l2_of(16, 32), l2_of(4, 40),
 };
 
 }  // namespace
@@ -159,8 +159,8 @@ TEST_CASE("value_norms match the float64 reference on random layers (L1 blocked,
           "[value_norm]") {
   Rng rng(402);
   // L crosses the L1 block of 128 rows (127, 128, 129, 300, 2000); D differs from d and from H * d.
-  const Shape shapes[] = {{1, 1, 4, 2, 16},    {2, 1, 4, 127, 16},   {4, 2, 4, 128, 64}, {8, 2, 32, 129, 16},
-                          {8, 8, 4, 70, 16},   {4, 4, 32, 200, 64},  {8, 1, 4, 90, 64},  {2, 1, 4, 2000, 16}};
+  const Shape shapes[] = {{1, 1, 4, 2, 16},  {2, 1, 4, 127, 16},  {4, 2, 4, 128, 64}, {8, 2, 32, 129, 16},
+                          {8, 8, 4, 70, 16}, {4, 4, 32, 200, 64}, {8, 1, 4, 90, 64},  {2, 1, 4, 2000, 16}};
   const int hidden[] = {3, 16, 24, 24, 8, 12, 40, 8};
   int i = 0;
   for (const Shape& s : shapes) {
@@ -181,8 +181,8 @@ TEST_CASE("value_norms match the float64 reference on random layers (L1 blocked,
                                         1e-300) == "");
       // Float storage, float arithmetic.
       const auto fl = kvevict_test::store_v<float>(l, i % 2 ? Layout::heads_major : Layout::tokens_major);
-      CHECK(kvevict_test::compare_close(library_norms<float>(fl.in.values, fl.in.w_o, s.G(), norm), want, 2e-4,
-                                        1e-6) == "");
+      CHECK(kvevict_test::compare_close(library_norms<float>(fl.in.values, fl.in.w_o, s.G(), norm), want, 2e-4, 1e-6) ==
+            "");
     }
   }
 }
@@ -265,9 +265,9 @@ TEST_CASE("the L2 Gram path selects exactly as the reference's direct L2 norms (
         continue;
       }
       const kvevict_test::Forced f = kvevict_test::ref_forced(r, s, kd, n, 0.0);
-      CHECK(kvevict_test::first_difference(kvevict_test::kept_of(defensive.select<double>(st.in, b)),
-                                           kvevict_test::expect_defensive(r, f, s, n, kvevict_test::DefBase::flat, kd,
-                                                                          0.0)) == "");
+      CHECK(kvevict_test::first_difference(
+                kvevict_test::kept_of(defensive.select<double>(st.in, b)),
+                kvevict_test::expect_defensive(r, f, s, n, kvevict_test::DefBase::flat, kd, 0.0)) == "");
     }
   }
   CHECK(skipped * 10 <= cases);

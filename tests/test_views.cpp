@@ -147,9 +147,8 @@ TEST_CASE("LayerInputs holds views of the caller's buffers, never copies", "[vie
       const float* p = st.in.keys.head(h).data();
       CHECK(p >= st.k.data());
       CHECK(p < st.k.data() + st.k.size());
-      CHECK(st.in.values.head(h).data() == st.v.data() + (layout == kvevict_test::Layout::heads_major
-                                                              ? h * s.L * s.d
-                                                              : h * s.d));
+      CHECK(st.in.values.head(h).data() ==
+            st.v.data() + (layout == kvevict_test::Layout::heads_major ? h * s.L * s.d : h * s.d));
     }
     for (Index q = 0; q < s.H; ++q) CHECK(st.in.queries.head(q).data() == st.q.data() + q * s.w * s.d);
     // A copy of LayerInputs still points at the same buffers.
@@ -201,7 +200,9 @@ TEST_CASE("selection over padded strided views equals the selection over dense s
   const kvevict::AdaKV ada(pa);
   for (std::int64_t n : {1, 3, 4, 5, 17, 60}) {
     const auto b = kvevict::Budget::tokens(n);
-    CHECK(kvevict_test::kept_of(snap.select<double>(padded, b)) == kvevict_test::kept_of(snap.select<double>(dense.in, b)));
-    CHECK(kvevict_test::kept_of(ada.select<double>(padded, b)) == kvevict_test::kept_of(ada.select<double>(dense.in, b)));
+    CHECK(kvevict_test::kept_of(snap.select<double>(padded, b)) ==
+          kvevict_test::kept_of(snap.select<double>(dense.in, b)));
+    CHECK(kvevict_test::kept_of(ada.select<double>(padded, b)) ==
+          kvevict_test::kept_of(ada.select<double>(dense.in, b)));
   }
 }

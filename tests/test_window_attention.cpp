@@ -18,10 +18,9 @@ namespace {
 
 // Random shapes of the sweep plus a few large contexts (kept small in H, w, d: Eigen in Debug is slow).
 std::vector<Shape> attention_shapes(Rng& rng, int n_random) {
-  std::vector<Shape> shapes = {
-      {1, 1, 1, 2, 16},   {2, 1, 1, 2, 16},    {4, 4, 4, 5, 64},   {8, 2, 32, 33, 16},
-      {8, 8, 1, 3, 128},  {4, 2, 32, 40, 128}, {8, 1, 4, 17, 64},  {2, 2, 1, 1500, 16},
-      {4, 1, 4, 5000, 16}, {1, 1, 32, 2048, 16}};
+  std::vector<Shape> shapes = {{1, 1, 1, 2, 16},    {2, 1, 1, 2, 16},    {4, 4, 4, 5, 64},  {8, 2, 32, 33, 16},
+                               {8, 8, 1, 3, 128},   {4, 2, 32, 40, 128}, {8, 1, 4, 17, 64}, {2, 2, 1, 1500, 16},
+                               {4, 1, 4, 5000, 16}, {1, 1, 32, 2048, 16}};
   for (int i = 0; i < n_random; ++i) shapes.push_back(kvevict_test::random_shape(rng, 200));
   return shapes;
 }
@@ -62,8 +61,7 @@ TEST_CASE("window_attention<double> matches the float64 reference (both KV layou
   }
 }
 
-TEST_CASE("window_attention<float> over float storage matches the reference to float precision",
-          "[window_attention]") {
+TEST_CASE("window_attention<float> over float storage matches the reference to float precision", "[window_attention]") {
   Rng rng(32);
   for (const Shape& s : attention_shapes(rng, 24)) {
     INFO(kvevict_test::describe(s));
@@ -127,7 +125,8 @@ TEST_CASE("window_attention divides the logits by sqrt(head_dim)", "[window_atte
   std::vector<double> k = {1, 1, 1, 1, 0, 0, 0, 0};
   kvevict::RowMatrix<double> rows;
   kvevict::extend::window_attention<double, double>(kvevict::HeadsView<const double>::heads_major(q.data(), 1, w, d),
-                                            kvevict::kv_heads_major<const double>(k.data(), 1, L, d), 0, 1, rows);
+                                                    kvevict::kv_heads_major<const double>(k.data(), 1, L, d), 0, 1,
+                                                    rows);
   const double e2 = std::exp(2.0);
   CHECK(rows(0, 0) == Approx(e2 / (e2 + 1.0)).epsilon(1e-14));
   CHECK(rows(0, 1) == Approx(1.0 / (e2 + 1.0)).epsilon(1e-14));
@@ -179,7 +178,8 @@ TEST_CASE("WindowObservation: queries route computes rows, attention route passe
     const std::vector<float> attn_f = kvevict_test::cast_to<float>(attn);
     const std::vector<float> keys_f = kvevict_test::cast_to<float>(st.k);
     const auto in_f = kvevict_test::attention_inputs(attn_f, keys_f, s);
-    const kvevict::extend::WindowObservation<double, float> from_f(in_f, kvevict::detail::validate_inputs(in_f, s.w, "x"));
+    const kvevict::extend::WindowObservation<double, float> from_f(in_f,
+                                                                   kvevict::detail::validate_inputs(in_f, s.w, "x"));
     kvevict::RowMatrix<double> rows_f;
     from_f.head_rows(s.H - 1, rows_f);
     for (Index i = 0; i < s.w; ++i)

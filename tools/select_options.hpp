@@ -31,20 +31,17 @@ struct Options {
   std::string precision = "f32";
 
   std::map<std::string, std::string> metadata() const {
-    return {{"policy", policy},
-            {"base", base},
-            {"selector", selector},
-            {"budget", budget_text},
-            {"precision", precision},
-            {"reference_quirks", knobs.reference_quirks.value_or(false) ? "1" : "0"}};
+    return {{"policy", policy},       {"base", base},
+            {"selector", selector},   {"budget", budget_text},
+            {"precision", precision}, {"reference_quirks", knobs.reference_quirks.value_or(false) ? "1" : "0"}};
   }
 };
 
 /// Calls f(entry) with the catalogue entry (kvevict/policy/catalogue.hpp) the options name.
 template <class F>
 void visit_policy(const Options& o, F&& f) {
-  const bool found = o.composed ? kvevict::catalogue::compose(o.base, o.selector, f)
-                                : kvevict::catalogue::visit(o.policy, f);
+  const bool found =
+      o.composed ? kvevict::catalogue::compose(o.base, o.selector, f) : kvevict::catalogue::visit(o.policy, f);
   KVEVICT_ASSERT(found);  // parse_options checked the names
   (void)found;
 }
@@ -59,11 +56,14 @@ inline std::string usage_text() {
     bases += "  " + std::string(e.name) + std::string(20 - std::min<std::size_t>(19, e.name.size()), ' ') +
              std::string(e.summary) + "\n";
   });
-  return "usage: kvevict-select (--policy NAME | --base B --selector S) (--budget N | --keep R | --compression-ratio CR)\n"
+  return "usage: kvevict-select (--policy NAME | --base B --selector S) (--budget N | --keep R | --compression-ratio "
+         "CR)\n"
          "                      [options] INPUT.safetensors OUTPUT.safetensors\n"
-         "policies:\n" + policies +
+         "policies:\n" +
+         policies +
          "bases (--base B --selector S: Policy<B, S>, the base's allocation with the selector's scoring):\n" + bases +
-         "selectors: " + kvevict::catalogue::names(kvevict::catalogue::selectors()) + "\n"
+         "selectors: " + kvevict::catalogue::names(kvevict::catalogue::selectors()) +
+         "\n"
          "options (each applies to the policies whose parameters have it; the defaults are each policy's own):\n"
          "  --budget N                tokens kept per KV head on average, window included (1 <= N <= L)\n"
          "  --keep R                  keep ratio in (0, 1]: n_kept = int(L * R)\n"
@@ -82,7 +82,8 @@ inline std::string usage_text() {
          "  --mass-threshold T        DefensiveKV cumulative mass threshold (default 0.9)\n"
          "  --no-floor                DefensiveKV without the adaptive prior floor (ablation)\n"
          "input per layer i: layers.{i}.q_window [H,w,d] or layers.{i}.window_attention [H,w,L], layers.{i}.keys\n"
-         "[Hkv,L,d], layers.{i}.values [Hkv,L,d], layers.{i}.w_o [D,H*d] (value-aware selectors); F64/F32/F16/BF16. output: layers.{i}.kept_indices I64,\n"
+         "[Hkv,L,d], layers.{i}.values [Hkv,L,d], layers.{i}.w_o [D,H*d] (value-aware selectors); F64/F32/F16/BF16. "
+         "output: layers.{i}.kept_indices I64,\n"
          "layers.{i}.kept_offsets I64 [Hkv+1].\n";
 }
 
@@ -99,7 +100,8 @@ inline Index parse_int(const std::string& flag, const std::string& text) {
   errno = 0;
   char* end = nullptr;
   const long long v = std::strtoll(text.c_str(), &end, 10);
-  if (text.empty() || *end != '\0' || errno == ERANGE) throw usage_error(flag + " expects an integer, got '" + text + "'");
+  if (text.empty() || *end != '\0' || errno == ERANGE)
+    throw usage_error(flag + " expects an integer, got '" + text + "'");
   return static_cast<Index>(v);
 }
 
@@ -116,7 +118,8 @@ void name_parts(const Entry&, Options& o) {
     else
       o.base = Entry::scope == kvevict::BudgetScope::head ? "snapkv" : "adakv";
     kvevict::catalogue::for_each(kvevict::catalogue::selectors(), [&](const auto& s) {
-      if (std::is_same_v<typename std::decay_t<decltype(s)>::selector_type, typename P::SelectorType>) o.selector = s.name;
+      if (std::is_same_v<typename std::decay_t<decltype(s)>::selector_type, typename P::SelectorType>)
+        o.selector = s.name;
     });
   }
 }
@@ -154,7 +157,8 @@ inline std::optional<Options> parse_options(int argc, char** argv) {
       ++budgets;
     } else if (a == "--compression-ratio") {
       const double c = parse_double(a, value());
-      if (!(c >= 0.0 && c < 1.0)) throw usage_error("--compression-ratio must be in [0, 1), got " + std::string(argv[i]));
+      if (!(c >= 0.0 && c < 1.0))
+        throw usage_error("--compression-ratio must be in [0, 1), got " + std::string(argv[i]));
       o.budget = kvevict::Budget::compression_ratio(c);
       o.budget_text = "compression_ratio=" + std::string(argv[i]);
       ++budgets;
@@ -168,16 +172,18 @@ inline std::optional<Options> parse_options(int argc, char** argv) {
     } else if (a == "--kernel") {
       const Index kernel = parse_int(a, value());
       o.knobs.kernel = kernel;
-      if (kernel < 1 || kernel % 2 == 0) throw usage_error("--kernel must be an odd number >= 1, got " + std::string(argv[i]));
+      if (kernel < 1 || kernel % 2 == 0)
+        throw usage_error("--kernel must be an odd number >= 1, got " + std::string(argv[i]));
     } else if (a == "--alpha") {
       const double alpha = parse_double(a, value());
       o.knobs.alpha = alpha;
       if (alpha < 0.0 || alpha > 1.0) throw usage_error("--alpha must be in [0, 1], got " + std::string(argv[i]));
     } else if (a == "--adakv-variant") {
       const std::string v = value();
-      if (v != "kvpress" && v != "original") throw usage_error("--adakv-variant must be kvpress or original, got '" + v + "'");
+      if (v != "kvpress" && v != "original")
+        throw usage_error("--adakv-variant must be kvpress or original, got '" + v + "'");
       o.knobs.adakv_variant = v == "kvpress" ? kvevict::HeadAdaptiveAllocation::Variant::kvpress
-                                       : kvevict::HeadAdaptiveAllocation::Variant::original;
+                                             : kvevict::HeadAdaptiveAllocation::Variant::original;
     } else if (a == "--sinks") {
       const Index sinks = parse_int(a, value());
       o.knobs.sinks = sinks;
@@ -215,7 +221,8 @@ inline std::optional<Options> parse_options(int argc, char** argv) {
     }
   }
   if (positional.size() != 2)
-    throw usage_error("expected INPUT and OUTPUT safetensors paths, got " + std::to_string(positional.size()) + " paths");
+    throw usage_error("expected INPUT and OUTPUT safetensors paths, got " + std::to_string(positional.size()) +
+                      " paths");
   o.input = positional[0];
   o.output = positional[1];
   if (budgets != 1)

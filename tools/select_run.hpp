@@ -23,12 +23,12 @@ struct input_error : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-
 /// Number of layers: layers.{i}.keys must exist for i = 0 .. NL-1 and for no other i.
 inline Index count_layers(const st::file& in) {
   Index n = 0;
   while (in.find("layers." + std::to_string(n) + ".keys")) ++n;
-  if (n == 0) throw input_error("no tensor 'layers.0.keys' in the input; expected layers.{i}.keys [kv_heads, tokens, head_dim]");
+  if (n == 0)
+    throw input_error("no tensor 'layers.0.keys' in the input; expected layers.{i}.keys [kv_heads, tokens, head_dim]");
   for (const auto& t : in.tensors()) {
     const std::string& name = t.name;
     if (name.rfind("layers.", 0) != 0) continue;
@@ -55,7 +55,8 @@ std::optional<Loaded<S>> load(const st::file& in, const std::string& name, std::
   const st::tensor_info* t = in.find(name);
   if (!t) return std::nullopt;
   if (t->type != st::dtype::F64 && t->type != st::dtype::F32 && t->type != st::dtype::F16 && t->type != st::dtype::BF16)
-    throw input_error("tensor '" + name + "' has dtype " + st::dtype_name(t->type) + "; expected F64, F32, F16 or BF16");
+    throw input_error("tensor '" + name + "' has dtype " + st::dtype_name(t->type) +
+                      "; expected F64, F32, F16 or BF16");
   if (t->shape.size() != rank)
     throw input_error("tensor '" + name + "' has rank " + std::to_string(t->shape.size()) + "; expected rank " +
                       std::to_string(rank) + " " + dims);
@@ -96,7 +97,8 @@ LayerTensors<S> load_layer(const Options& opt, const st::file& in, Index layer, 
     li.values = kvevict::kv_heads_major<const S>(t.values->data.data(), Hkv, L, t.values->shape[2]);
   }
   if (t.queries && t.attention)
-    throw input_error("layer " + std::to_string(layer) + " has both 'q_window' and 'window_attention'; expected exactly one");
+    throw input_error("layer " + std::to_string(layer) +
+                      " has both 'q_window' and 'window_attention'; expected exactly one");
   bool needs_observation = true, value_aware = false;
   visit_policy(opt, [&](const auto& entry) {
     const auto policy = entry.make(opt.knobs);
@@ -108,15 +110,20 @@ LayerTensors<S> load_layer(const Options& opt, const st::file& in, Index layer, 
                       "window_attention' [heads, window, tokens])");
   const Loaded<S>* obs = t.queries ? &*t.queries : t.attention ? &*t.attention : nullptr;
   if (obs && needs_observation) {
-    const auto view = kvevict::HeadsView<const S>::heads_major(obs->data.data(), obs->shape[0], obs->shape[1], obs->shape[2]);
+    const auto view =
+        kvevict::HeadsView<const S>::heads_major(obs->data.data(), obs->shape[0], obs->shape[1], obs->shape[2]);
     (t.queries ? li.queries : li.attention) = view;
     if (!window) window = obs->shape[1];
     if (*window != obs->shape[1])
       throw input_error("--window " + std::to_string(*window) + " does not match the " + std::to_string(obs->shape[1]) +
                         " window rows of '" + prefix + (t.queries ? "q_window'" : "window_attention'"));
     if (value_aware) {
-      if (!t.values) throw input_error("missing tensor '" + prefix + "values' [kv_heads, tokens, head_dim]; the " + opt.policy + " policy needs it");
-      if (!t.w_o) throw input_error("missing tensor '" + prefix + "w_o' [hidden, heads * head_dim]; the " + opt.policy + " policy needs it");
+      if (!t.values)
+        throw input_error("missing tensor '" + prefix + "values' [kv_heads, tokens, head_dim]; the " + opt.policy +
+                          " policy needs it");
+      if (!t.w_o)
+        throw input_error("missing tensor '" + prefix + "w_o' [hidden, heads * head_dim]; the " + opt.policy +
+                          " policy needs it");
       const Index H = obs->shape[0], dv = t.values->shape[2];
       if (t.w_o->shape[1] != H * dv)
         throw input_error("tensor '" + prefix + "w_o' has shape " + shape_str(t.w_o->shape) + "; expected [hidden, " +

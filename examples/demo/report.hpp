@@ -115,14 +115,16 @@ inline void print_table(std::FILE* out, const std::vector<Record>& records) {
 /// Two panels: continuation-loss increase and passkey accuracy (both kinds), against the keep ratio, one line per
 /// policy; the full cache is a dashed line in the passkey panel.
 inline void write_chart(const std::string& path, const std::vector<Record>& records) {
-  Panel loss{"continuation loss vs the full cache", "keep (share of the context cached)", "loss increase (%)", {},
-             {}, "%"};
+  Panel loss{
+      "continuation loss vs the full cache", "keep (share of the context cached)", "loss increase (%)", {}, {}, "%"};
   Panel keys{"passkey retrieval", "keep (share of the context cached)", "solved (%, ident + assert)", {}, {}, "%"};
   const Record* full = nullptr;
   std::vector<std::string> names;
   for (const Record& r : records) {
-    if (r.full()) full = &r;
-    else if (std::find(names.begin(), names.end(), r.policy) == names.end()) names.push_back(r.policy);
+    if (r.full())
+      full = &r;
+    else if (std::find(names.begin(), names.end(), r.policy) == names.end())
+      names.push_back(r.policy);
   }
   std::vector<double> all_x;
   for (const std::string& name : names) {

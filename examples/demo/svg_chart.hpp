@@ -32,11 +32,16 @@ namespace detail {
 inline std::string escape(const std::string& s) {
   std::string out;
   for (char c : s) {
-    if (c == '<') out += "&lt;";
-    else if (c == '>') out += "&gt;";
-    else if (c == '&') out += "&amp;";
-    else if (c == '"') out += "&quot;";
-    else out += c;
+    if (c == '<')
+      out += "&lt;";
+    else if (c == '>')
+      out += "&gt;";
+    else if (c == '&')
+      out += "&amp;";
+    else if (c == '"')
+      out += "&quot;";
+    else
+      out += c;
   }
   return out;
 }
@@ -81,7 +86,8 @@ inline void write_svg(std::ostream& out, const std::vector<Panel>& panels) {
   std::vector<bool> dashed;
   for (const Panel& p : panels)
     for (const Series& s : p.series)
-      if (std::find(names.begin(), names.end(), s.name) == names.end()) names.push_back(s.name), dashed.push_back(s.dashed);
+      if (std::find(names.begin(), names.end(), s.name) == names.end())
+        names.push_back(s.name), dashed.push_back(s.dashed);
   const auto colour_of = [&](const std::string& name) {
     return detail::colour(static_cast<std::size_t>(std::find(names.begin(), names.end(), name) - names.begin()));
   };
@@ -148,8 +154,7 @@ inline void write_svg(std::ostream& out, const std::vector<Panel>& panels) {
     out << "<line x1=\"" << num(lx) << "\" x2=\"" << num(lx + 22) << "\" y1=\"" << num(y) << "\" y2=\"" << num(y)
         << "\" stroke-width=\"2\" stroke=\"" << colour_of(names[i]) << "\""
         << (dashed[i] ? " stroke-dasharray=\"6 4\"" : "") << "/>\n"
-        << "<text x=\"" << num(lx + 28) << "\" y=\"" << num(y + 4) << "\">" << detail::escape(names[i])
-        << "</text>\n";
+        << "<text x=\"" << num(lx + 28) << "\" y=\"" << num(y + 4) << "\">" << detail::escape(names[i]) << "</text>\n";
   }
   out << "</svg>\n";
 }

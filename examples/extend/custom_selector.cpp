@@ -145,7 +145,7 @@ struct ProportionalAllocation {
 // ---- [compose] -------------------------------------------------------------------------------------------------
 using KeyNormSnap = kvevict::Policy<kvevict::SnapKV, mylab::KeyNormSelector>;  // uniform: n_kept per head
 using KeyNormProportional = kvevict::Policy<mylab::ProportionalAllocation, mylab::KeyNormSelector>;
-using SnapKVProportional = kvevict::Policy<mylab::ProportionalAllocation>;  // the built-in AttentionSelector
+using SnapKVProportional = kvevict::Policy<mylab::ProportionalAllocation>;      // the built-in AttentionSelector
 using KeyNormLayerGlobal = kvevict::LayerGlobalPolicy<mylab::KeyNormSelector>;  // one budget across layers
 // ---- [/compose] ------------------------------------------------------------------------------------------------
 
@@ -167,7 +167,9 @@ struct WrongAllocate {
   };
   explicit WrongAllocate(const Params&) {}
   template <class S>
-  std::vector<int> allocate(kvevict::extend::ScoreMap<S>&, const kvevict::extend::LayerBudget&) const { return {}; }
+  std::vector<int> allocate(kvevict::extend::ScoreMap<S>&, const kvevict::extend::LayerBudget&) const {
+    return {};
+  }
 };
 kvevict::Policy<kvevict::SnapKV, NoSelect> broken_selector;
 kvevict::Policy<WrongAllocate, mylab::KeyNormSelector> broken_allocation;
@@ -191,7 +193,12 @@ struct RandomLayer {
   std::vector<double> q, k;
   kvevict::LayerInputs<double> in;
   RandomLayer(Index H_, Index Hkv_, Index w_, Index L_, Index d_, std::mt19937_64& rng)
-      : H(H_), Hkv(Hkv_), w(w_), L(L_), d(d_), q(static_cast<std::size_t>(H * w * d)),
+      : H(H_),
+        Hkv(Hkv_),
+        w(w_),
+        L(L_),
+        d(d_),
+        q(static_cast<std::size_t>(H * w * d)),
         k(static_cast<std::size_t>(Hkv * L * d)) {
     std::normal_distribution<double> normal(0.0, 1.0);
     for (double& x : q) x = normal(rng);
@@ -199,7 +206,7 @@ struct RandomLayer {
       k[i] = normal(rng) * (1.0 + static_cast<double>(i / static_cast<std::size_t>(L * d)) / 2);
     const auto row = [&](Index h, Index j) { return k.begin() + (h * L + j) * d; };
     for (Index j = 1; j < L; j += 7) std::copy(row(0, j - 1), row(0, j), row(0, j));  // ties in a head
-    for (Index h = 1; h < Hkv; ++h) std::copy(row(0, 3), row(0, 4), row(h, 5 + h));  // across heads
+    for (Index h = 1; h < Hkv; ++h) std::copy(row(0, 3), row(0, 4), row(h, 5 + h));   // across heads
     in.queries = kvevict::HeadsView<const double>::heads_major(q.data(), H, w, d);
     in.keys = kvevict::kv_heads_major<const double>(k.data(), Hkv, L, d);
   }

@@ -20,8 +20,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     for (const st::tensor_info& t : f.tensors()) {
       const std::int64_t n = t.numel();
       std::size_t read = 0;
-      if (t.type == st::dtype::F64 || t.type == st::dtype::F32 || t.type == st::dtype::F16 ||
-          t.type == st::dtype::BF16)
+      if (t.type == st::dtype::F64 || t.type == st::dtype::F32 || t.type == st::dtype::F16 || t.type == st::dtype::BF16)
         read = f.read_floats<float>(t).size();
       else if (t.type == st::dtype::I64 || t.type == st::dtype::I32)
         read = f.read_i64(t).size();

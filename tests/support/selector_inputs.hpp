@@ -136,13 +136,13 @@ struct SelKnobs {
   int kernel = 5;
   kvevict::Pooling pooling = kvevict::Pooling::avg;
   kvevict::ValueNorm norm = kvevict::ValueNorm::l1;
-  double eps = 1e-4;             // CriticalKV
-  double ratio = 0.5;            // CriticalKV first_stage_ratio
-  double threshold = 0.9;        // DefensiveKV mass_threshold
-  bool value_term = true;        // DefensiveKV
-  bool mass_forcing = true;      // DefensiveKV
-  bool floor = true;             // DefensiveKV
-  double alpha = 0.2;            // head-adaptive safeguard (DefensiveKV flat: 0)
+  double eps = 1e-4;         // CriticalKV
+  double ratio = 0.5;        // CriticalKV first_stage_ratio
+  double threshold = 0.9;    // DefensiveKV mass_threshold
+  bool value_term = true;    // DefensiveKV
+  bool mass_forcing = true;  // DefensiveKV
+  bool floor = true;         // DefensiveKV
+  double alpha = 0.2;        // head-adaptive safeguard (DefensiveKV flat: 0)
   bool quirks = false;
   int p() const { return norm == kvevict::ValueNorm::l1 ? 1 : 2; }
 };
@@ -151,8 +151,7 @@ inline std::string describe(const SelKnobs& k) {
   std::ostringstream o;
   o << "kernel=" << k.kernel << " " << kvevict::to_string(k.pooling) << " norm=" << kvevict::to_string(k.norm)
     << " eps=" << k.eps << " ratio=" << k.ratio << " threshold=" << k.threshold << " value_term=" << k.value_term
-    << " mass_forcing=" << k.mass_forcing << " floor=" << k.floor << " alpha=" << k.alpha
-    << " quirks=" << k.quirks;
+    << " mass_forcing=" << k.mass_forcing << " floor=" << k.floor << " alpha=" << k.alpha << " quirks=" << k.quirks;
   return o.str();
 }
 
@@ -204,7 +203,8 @@ inline std::vector<FormedBudget> budget_forms(std::int64_t n, std::int64_t L) {
   if (nk >= 1) out.push_back({kvevict::Budget::keep_ratio(keep), nk, nan, "keep_ratio"});
   const double cr = 1.0 - keep;
   const std::int64_t nc = kvevict_ref::n_kept_from_compression_ratio(L, cr);
-  if (cr >= 0.0 && cr < 1.0 && nc >= 1) out.push_back({kvevict::Budget::compression_ratio(cr), nc, cr, "compression_ratio"});
+  if (cr >= 0.0 && cr < 1.0 && nc >= 1)
+    out.push_back({kvevict::Budget::compression_ratio(cr), nc, cr, "compression_ratio"});
   return out;
 }
 
@@ -330,8 +330,8 @@ inline const char* to_string(DefBase b) {
 }
 
 /// The reference called literally: forced tokens and the window carry the layer max of s'.
-inline Kept literal_defensive(const RefLayer& r, const Forced& forced, const Shape& s, std::int64_t n_kept, DefBase base,
-                              const SelKnobs& k, double cr) {
+inline Kept literal_defensive(const RefLayer& r, const Forced& forced, const Shape& s, std::int64_t n_kept,
+                              DefBase base, const SelKnobs& k, double cr) {
   if (base != DefBase::uniform)
     return kvevict_ref::defensivekv(r.sprime, forced, s.Hkv, s.w, s.L, n_kept, base == DefBase::flat ? 0.0 : k.alpha,
                                     k.quirks, k.quirks ? cr : 0.0);
@@ -347,7 +347,6 @@ inline Kept expect_defensive(const RefLayer& r, const Forced& forced, const Shap
                              const SelKnobs& k, double cr) {
   return literal_defensive(r, forced, s, n_kept, base, k, k.quirks ? cr : 0.0);
 }
-
 
 /// Per (layer, head) counts of a layer-global selection.
 inline std::vector<std::vector<std::int64_t>> lengths_of(const std::vector<Kept>& kept) {

@@ -32,7 +32,8 @@ inline std::filesystem::path scratch() {
 /// Runs `kvevict-select ARGS` (stdout discarded).
 inline Run run_cli(const std::string& args) {
   const std::filesystem::path err = scratch() / "stderr.txt";
-  const std::string cmd = std::string("\"") + KVEVICT_SELECT_PATH + "\" " + args + " 2>\"" + err.string() + "\" >/dev/null";
+  const std::string cmd =
+      std::string("\"") + KVEVICT_SELECT_PATH + "\" " + args + " 2>\"" + err.string() + "\" >/dev/null";
   const int raw = std::system(cmd.c_str());
   std::ifstream in(err);
   std::stringstream ss;

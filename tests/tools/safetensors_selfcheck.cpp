@@ -759,8 +759,11 @@ TEST_CASE("mutation fuzz: parse and read only ever throw safetensors::error", "[
             (void)f.read_floats<double>(t);
             break;
           case st::dtype::I64:
-          case st::dtype::I32: (void)f.read_i64(t); break;
-          default: break;
+          case st::dtype::I32:
+            (void)f.read_i64(t);
+            break;
+          default:
+            break;
         }
       }
       ++accepted;
@@ -781,10 +784,18 @@ TEST_CASE("mutation fuzz: parse and read only ever throw safetensors::error", "[
       for (std::size_t k = 0; k < edits && !bytes.empty(); ++k) {
         const std::size_t pos = r.below(bytes.size());
         switch (r.below(4)) {
-          case 0: bytes[pos] = static_cast<unsigned char>(r.next()); break;
-          case 1: bytes[pos] = static_cast<unsigned char>(interesting[r.below(sizeof interesting - 1)]); break;
-          case 2: bytes.resize(pos); break;
-          default: bytes[pos] ^= static_cast<unsigned char>(1u << r.below(8)); break;
+          case 0:
+            bytes[pos] = static_cast<unsigned char>(r.next());
+            break;
+          case 1:
+            bytes[pos] = static_cast<unsigned char>(interesting[r.below(sizeof interesting - 1)]);
+            break;
+          case 2:
+            bytes.resize(pos);
+            break;
+          default:
+            bytes[pos] ^= static_cast<unsigned char>(1u << r.below(8));
+            break;
         }
       }
       exercise(std::move(bytes));
@@ -796,9 +807,15 @@ TEST_CASE("mutation fuzz: parse and read only ever throw safetensors::error", "[
         const std::size_t pos = r.below(h.size());
         const char c = interesting[r.below(sizeof interesting - 1)];
         switch (r.below(4)) {
-          case 0: h[pos] = c; break;
-          case 1: h.insert(h.begin() + static_cast<std::ptrdiff_t>(pos), c); break;
-          case 2: h.erase(pos, 1 + r.below(4)); break;
+          case 0:
+            h[pos] = c;
+            break;
+          case 1:
+            h.insert(h.begin() + static_cast<std::ptrdiff_t>(pos), c);
+            break;
+          case 2:
+            h.erase(pos, 1 + r.below(4));
+            break;
           default: {
             const std::size_t from = r.below(h.size());
             const std::size_t len = r.below(16);

@@ -66,8 +66,7 @@ kvevict_ref::Kept read_kept(const fs::path& path, std::size_t layer) {
   const auto idx = f.read_i64(f.at(p + "kept_indices"));
   const auto off = f.read_i64(f.at(p + "kept_offsets"));
   kvevict_ref::Kept kept(off.size() - 1);
-  for (std::size_t h = 0; h + 1 < off.size(); ++h)
-    kept[h].assign(idx.begin() + off[h], idx.begin() + off[h + 1]);
+  for (std::size_t h = 0; h + 1 < off.size(); ++h) kept[h].assign(idx.begin() + off[h], idx.begin() + off[h + 1]);
   return kept;
 }
 
@@ -75,7 +74,9 @@ kvevict_ref::Kept read_kept(const fs::path& path, std::size_t layer) {
 
 TEST_CASE("kvevict-select --precision f64 matches the float64 reference index for index", "[cli]") {
   std::mt19937_64 rng(20261130);
-  struct Shape { int H, Hkv, w, L, d; };
+  struct Shape {
+    int H, Hkv, w, L, d;
+  };
   const Shape shapes[] = {{4, 2, 8, 70, 16}, {8, 8, 4, 33, 16}, {8, 2, 16, 300, 64}, {2, 1, 32, 129, 128}};
   for (const Shape& s : shapes) {
     const std::vector<LayerData> layers = {random_layer(s.H, s.Hkv, s.w, s.L, s.d, rng),
@@ -95,7 +96,8 @@ TEST_CASE("kvevict-select --precision f64 matches the float64 reference index fo
             REQUIRE(r.status == 0);
             const kvevict_ref::Pool p = std::string(pool) == "avg" ? kvevict_ref::Pool::avg : kvevict_ref::Pool::max;
             std::int64_t n_kept = s.w + 5;
-            if (budget.find("compression") != std::string::npos) n_kept = kvevict_ref::n_kept_from_compression_ratio(s.L, 0.7);
+            if (budget.find("compression") != std::string::npos)
+              n_kept = kvevict_ref::n_kept_from_compression_ratio(s.L, 0.7);
             if (budget.find("keep") != std::string::npos) n_kept = kvevict_ref::n_kept_from_keep_ratio(s.L, 0.35);
             for (std::size_t i = 0; i < layers.size(); ++i) {
               const LayerData& x = layers[i];
@@ -138,7 +140,9 @@ TEST_CASE("kvevict-select reads F32, F16 and BF16 and agrees with the reference 
 TEST_CASE("kvevict-select streamingllm needs only keys", "[cli]") {
   const fs::path in = scratch() / "keys_only.safetensors", out = scratch() / "keys_only_out.safetensors";
   st::write(in.string(), {st::make_tensor("layers.0.keys", {2, 20, 4}, std::vector<double>(160, 0.5), st::dtype::F32)});
-  REQUIRE(run_cli("--policy streamingllm --budget 7 --sinks 2 \"" + in.string() + "\" \"" + out.string() + "\"").status == 0);
+  REQUIRE(
+      run_cli("--policy streamingllm --budget 7 --sinks 2 \"" + in.string() + "\" \"" + out.string() + "\"").status ==
+      0);
   CHECK(read_kept(out, 0) == kvevict_ref::streamingllm(2, 20, 7, 2));
 }
 
@@ -187,7 +191,8 @@ TEST_CASE("kvevict-select rejects bad input with one clear line and a non-zero e
   }
   SECTION("wrong shape: heads not a multiple of KV heads") {
     write_bad({st::make_tensor("layers.0.q_window", {3, 8, 8}, std::vector<double>(x.q.begin(), x.q.begin() + 192),
-                               st::dtype::F32), k, v});
+                               st::dtype::F32),
+               k, v});
     expect_failure("--policy snapkv --budget 10" + io, "multiple of the KV heads");
   }
   SECTION("values disagree with keys") {
@@ -210,8 +215,9 @@ TEST_CASE("kvevict-select rejects bad input with one clear line and a non-zero e
     expect_failure("--policy snapkv --budget 10" + io, bad.string());
   }
   SECTION("file that does not exist") {
-    expect_failure("--policy snapkv --budget 10 \"" + (scratch() / "nope.safetensors").string() + "\" \"" + out.string() + "\"",
-                   "nope.safetensors");
+    expect_failure(
+        "--policy snapkv --budget 10 \"" + (scratch() / "nope.safetensors").string() + "\" \"" + out.string() + "\"",
+        "nope.safetensors");
   }
   SECTION("budget out of range") {
     fs::copy_file(good, bad, fs::copy_options::overwrite_existing);

@@ -95,10 +95,12 @@ struct BudgetFlag {
 
 std::vector<BudgetFlag> budget_flags(const Shape& s, std::int64_t tokens, double keep, double cr) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  return {{"--budget " + std::to_string(tokens), tokens, nan},
-          {"--keep " + std::to_string(keep), kvevict_ref::n_kept_from_keep_ratio(s.L, std::stod(std::to_string(keep))), nan},
-          {"--compression-ratio " + std::to_string(cr),
-           kvevict_ref::n_kept_from_compression_ratio(s.L, std::stod(std::to_string(cr))), std::stod(std::to_string(cr))}};
+  return {
+      {"--budget " + std::to_string(tokens), tokens, nan},
+      {"--keep " + std::to_string(keep), kvevict_ref::n_kept_from_keep_ratio(s.L, std::stod(std::to_string(keep))),
+       nan},
+      {"--compression-ratio " + std::to_string(cr),
+       kvevict_ref::n_kept_from_compression_ratio(s.L, std::stod(std::to_string(cr))), std::stod(std::to_string(cr))}};
 }
 
 // What the CLI must write for each layer, from the reference.
@@ -106,12 +108,18 @@ enum class Cli { criticalkv, criticalkv_snapkv, defensivekv, layer_defensivekv, 
 
 const char* policy_args(Cli p) {
   switch (p) {
-    case Cli::criticalkv: return "--policy criticalkv";
-    case Cli::criticalkv_snapkv: return "--policy criticalkv-snapkv";
-    case Cli::defensivekv: return "--policy defensivekv";
-    case Cli::layer_defensivekv: return "--policy layer-defensivekv";
-    case Cli::adakv_defensive: return "--policy adakv-defensive";
-    case Cli::layer_critical: return "--base layer --selector critical";
+    case Cli::criticalkv:
+      return "--policy criticalkv";
+    case Cli::criticalkv_snapkv:
+      return "--policy criticalkv-snapkv";
+    case Cli::defensivekv:
+      return "--policy defensivekv";
+    case Cli::layer_defensivekv:
+      return "--policy layer-defensivekv";
+    case Cli::adakv_defensive:
+      return "--policy adakv-defensive";
+    case Cli::layer_critical:
+      return "--base layer --selector critical";
   }
   return "";
 }
@@ -142,7 +150,8 @@ std::vector<Kept> expected(Cli p, const std::vector<Layer>& layers, SelKnobs k, 
       scores.push_back(p == Cli::layer_critical ? r.s : r.sprime);
       if (p == Cli::layer_defensivekv) forced.push_back(kvevict_test::ref_forced(r, s, k, n_kept, cr));
     }
-    const std::vector<Kept> global = kvevict_ref::layer_defensivekv(scores, forced, s.Hkv, s.w, s.L, n_kept, k.quirks, qcr);
+    const std::vector<Kept> global =
+        kvevict_ref::layer_defensivekv(scores, forced, s.Hkv, s.w, s.L, n_kept, k.quirks, qcr);
     if (p == Cli::layer_defensivekv) return global;
     const auto lengths = kvevict_test::lengths_of(global);
     for (std::size_t l = 0; l < refs.size(); ++l)
@@ -154,8 +163,8 @@ std::vector<Kept> expected(Cli p, const std::vector<Layer>& layers, SelKnobs k, 
       out.push_back(kvevict_test::expect_critical(r, s, n_kept, p == Cli::criticalkv, k));
     } else {
       const Forced f = kvevict_test::ref_forced(r, s, k, n_kept, cr);
-      out.push_back(kvevict_test::expect_defensive(r, f, s, n_kept, p == Cli::defensivekv ? DefBase::flat : DefBase::adaptive,
-                                                   k, qcr));
+      out.push_back(kvevict_test::expect_defensive(r, f, s, n_kept,
+                                                   p == Cli::defensivekv ? DefBase::flat : DefBase::adaptive, k, qcr));
     }
   }
   return out;
@@ -169,8 +178,8 @@ struct Tally {
 
 // Runs one command and compares every layer with the reference (or, for quirks without a compression ratio in the
 // defensive family, expects the one-line error).
-void check_run(Cli p, const std::vector<Layer>& layers, const SelKnobs& k, const BudgetFlag& b, const std::string& flags,
-               const fs::path& in, Tally& tally) {
+void check_run(Cli p, const std::vector<Layer>& layers, const SelKnobs& k, const BudgetFlag& b,
+               const std::string& flags, const fs::path& in, Tally& tally) {
   const fs::path out = scratch() / "out.safetensors";
   fs::remove(out);
   const std::string args = std::string(policy_args(p)) + " " + b.text + " --precision f64" +
@@ -233,9 +242,10 @@ TEST_CASE("kvevict-select value-aware policies --precision f64 match the referen
   CHECK(tally.skipped * 20 <= tally.runs);
 }
 
-TEST_CASE("kvevict-select selector flags: --value-norm l2, --no-floor, --mass-threshold, --eps, --first-stage-ratio, "
-          "--pool/--kernel, --alpha",
-          "[cli][selectors]") {
+TEST_CASE(
+    "kvevict-select selector flags: --value-norm l2, --no-floor, --mass-threshold, --eps, --first-stage-ratio, "
+    "--pool/--kernel, --alpha",
+    "[cli][selectors]") {
   kvevict_test::Rng rng(20261202);
   const Shape s{4, 2, 8, 90, 16};
   const std::vector<Layer> layers = random_model(s, 20, 2, rng);
@@ -271,8 +281,8 @@ TEST_CASE("kvevict-select selector flags: --value-norm l2, --no-floor, --mass-th
     k.floor = false;
     k.norm = kvevict::ValueNorm::l2;
   });
-  add(" --kernel 1 --eps 0 --first-stage-ratio 1 --alpha 0.5", {Cli::criticalkv, Cli::adakv_defensive, Cli::defensivekv},
-      [](SelKnobs& k) {
+  add(" --kernel 1 --eps 0 --first-stage-ratio 1 --alpha 0.5",
+      {Cli::criticalkv, Cli::adakv_defensive, Cli::defensivekv}, [](SelKnobs& k) {
         k.kernel = 1;
         k.eps = 0.0;
         k.ratio = 1.0;
@@ -308,9 +318,9 @@ TEST_CASE("kvevict-select value-aware policies reject bad input with one clear l
     c.w_o = false;
     write_model(bad, layers, c);
     for (const char* p : {"criticalkv", "criticalkv-snapkv", "defensivekv", "layer-defensivekv"})
-      expect_failure(std::string("--policy ") + p + " --budget 12" + io(bad, out), 1,
-                     "missing tensor 'layers.0.w_o' [hidden, heads * head_dim]; the " + std::string(p) +
-                         " policy needs it");
+      expect_failure(
+          std::string("--policy ") + p + " --budget 12" + io(bad, out), 1,
+          "missing tensor 'layers.0.w_o' [hidden, heads * head_dim]; the " + std::string(p) + " policy needs it");
     expect_failure("--base layer --selector critical --budget 12" + io(bad, out), 1, "layers.0.w_o");
     expect_failure("--base snapkv --selector defensive --budget 12" + io(bad, out), 1, "layers.0.w_o");
     // The ablation reads neither values nor W_o.
@@ -349,8 +359,8 @@ TEST_CASE("kvevict-select value-aware policies reject bad input with one clear l
     st::write(bad.string(), t);
     expect_failure("--policy defensivekv --budget 12" + io(bad, out), 1,
                    "tensor 'layers.0.w_o' has shape [8, 24]; expected [hidden, 32] (heads * head_dim)");
-    t.back() = st::make_tensor("layers.0.w_o", {192}, std::vector<double>(x.w_o.begin(), x.w_o.begin() + 192),
-                               st::dtype::F32);
+    t.back() =
+        st::make_tensor("layers.0.w_o", {192}, std::vector<double>(x.w_o.begin(), x.w_o.begin() + 192), st::dtype::F32);
     st::write(bad.string(), t);
     expect_failure("--policy criticalkv --budget 12" + io(bad, out), 1, "tensor 'layers.0.w_o' has rank 1");
   }
@@ -358,9 +368,11 @@ TEST_CASE("kvevict-select value-aware policies reject bad input with one clear l
     std::vector<Layer> poisoned = layers;
     poisoned[1].l.v[17] = std::numeric_limits<double>::quiet_NaN();
     write_model(bad, poisoned, Contents{});
-    expect_failure("--policy defensivekv --budget 12" + io(bad, out), 1, "kvevict::DefensiveKV::select (layer 1): values[");
+    expect_failure("--policy defensivekv --budget 12" + io(bad, out), 1,
+                   "kvevict::DefensiveKV::select (layer 1): values[");
     expect_failure("--policy criticalkv --budget 12 --precision f64" + io(bad, out), 1, "is not finite");
-    expect_failure("--policy layer-defensivekv --budget 12" + io(bad, out), 1, "kvevict::LayerDefensiveKV::add (layer 1): values[");
+    expect_failure("--policy layer-defensivekv --budget 12" + io(bad, out), 1,
+                   "kvevict::LayerDefensiveKV::add (layer 1): values[");
   }
   SECTION("reference quirks without a compression ratio") {
     write_model(bad, layers, Contents{});

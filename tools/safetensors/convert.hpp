@@ -49,9 +49,7 @@ inline void require_little_endian(const std::string& who) {
 // ---- decoding (Eigen) ----
 
 /// IEEE binary16 -> binary32 (exact).
-inline float half_bits_to_float(std::uint16_t h) {
-  return static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(h));
-}
+inline float half_bits_to_float(std::uint16_t h) { return static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(h)); }
 
 /// bfloat16 -> binary32 (exact: bfloat16 is the top half of a binary32).
 inline float bf16_bits_to_float(std::uint16_t b) {

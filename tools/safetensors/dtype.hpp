@@ -18,13 +18,17 @@ enum class dtype { F64, F32, F16, BF16, I64, I32, U8, BOOL };
 inline std::size_t dtype_size(dtype t) {
   switch (t) {
     case dtype::F64:
-    case dtype::I64: return 8;
+    case dtype::I64:
+      return 8;
     case dtype::F32:
-    case dtype::I32: return 4;
+    case dtype::I32:
+      return 4;
     case dtype::F16:
-    case dtype::BF16: return 2;
+    case dtype::BF16:
+      return 2;
     case dtype::U8:
-    case dtype::BOOL: return 1;
+    case dtype::BOOL:
+      return 1;
   }
   throw error("invalid dtype enumerator " + std::to_string(static_cast<int>(t)) +
               "; expected one of F64, F32, F16, BF16, I64, I32, U8, BOOL");
@@ -32,14 +36,22 @@ inline std::size_t dtype_size(dtype t) {
 
 inline const char* dtype_name(dtype t) {
   switch (t) {
-    case dtype::F64: return "F64";
-    case dtype::F32: return "F32";
-    case dtype::F16: return "F16";
-    case dtype::BF16: return "BF16";
-    case dtype::I64: return "I64";
-    case dtype::I32: return "I32";
-    case dtype::U8: return "U8";
-    case dtype::BOOL: return "BOOL";
+    case dtype::F64:
+      return "F64";
+    case dtype::F32:
+      return "F32";
+    case dtype::F16:
+      return "F16";
+    case dtype::BF16:
+      return "BF16";
+    case dtype::I64:
+      return "I64";
+    case dtype::I32:
+      return "I32";
+    case dtype::U8:
+      return "U8";
+    case dtype::BOOL:
+      return "BOOL";
   }
   return "<invalid dtype>";
 }
@@ -70,7 +82,8 @@ inline bool valid_dtype(dtype t) {
     case dtype::I64:
     case dtype::I32:
     case dtype::U8:
-    case dtype::BOOL: return true;
+    case dtype::BOOL:
+      return true;
   }
   return false;
 }

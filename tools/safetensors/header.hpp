@@ -112,7 +112,9 @@ class header_handler {
 
   bool start_object(std::size_t /*elements*/) {
     switch (state_) {
-      case state::root: state_ = state::root_key; return true;
+      case state::root:
+        state_ = state::root_key;
+        return true;
       case state::root_value:
         if (name_ == "__metadata__") {
           state_ = state::meta_key;
@@ -131,8 +133,11 @@ class header_handler {
           return true;
         }
         break;
-      case state::skip: ++skip_depth_; return true;
-      default: break;
+      case state::skip:
+        ++skip_depth_;
+        return true;
+      default:
+        break;
     }
     return unexpected(kind::object_value);
   }
@@ -152,7 +157,8 @@ class header_handler {
           state_ = state::skip;
           skip_depth_ = 1;
           return true;
-        case field::dtype: break;
+        case field::dtype:
+          break;
       }
     } else if (state_ == state::skip) {
       ++skip_depth_;
@@ -184,21 +190,29 @@ class header_handler {
                                        : field::other;
         state_ = state::tensor_value;
         return true;
-      case state::skip: return true;
-      default: return internal();
+      case state::skip:
+        return true;
+      default:
+        return internal();
     }
   }
 
   bool end_object() {
     switch (state_) {
-      case state::root_key: state_ = state::done; return true;
-      case state::meta_key: state_ = state::root_key; return true;
+      case state::root_key:
+        state_ = state::done;
+        return true;
+      case state::meta_key:
+        state_ = state::root_key;
+        return true;
       case state::tensor_key:
         finish_tensor();
         state_ = state::root_key;
         return true;
-      case state::skip: return end_skipped();
-      default: return internal();
+      case state::skip:
+        return end_skipped();
+      default:
+        return internal();
     }
   }
 
@@ -215,8 +229,10 @@ class header_handler {
         has_offsets_ = true;
         state_ = state::tensor_key;
         return true;
-      case state::skip: return end_skipped();
-      default: return internal();
+      case state::skip:
+        return end_skipped();
+      default:
+        return internal();
     }
   }
 
@@ -243,13 +259,20 @@ class header_handler {
 
   static const char* describe(kind k) {
     switch (k) {
-      case kind::null_value: return "null";
-      case kind::boolean_value: return "a boolean";
-      case kind::number_value: return "a number";
-      case kind::string_value: return "a string";
-      case kind::object_value: return "an object";
-      case kind::array_value: return "an array";
-      case kind::binary_value: return "binary data";
+      case kind::null_value:
+        return "null";
+      case kind::boolean_value:
+        return "a boolean";
+      case kind::number_value:
+        return "a number";
+      case kind::string_value:
+        return "a string";
+      case kind::object_value:
+        return "an object";
+      case kind::array_value:
+        return "an array";
+      case kind::binary_value:
+        return "binary data";
     }
     return "an unknown value";
   }
@@ -277,7 +300,8 @@ class header_handler {
   bool unexpected(kind k) {
     const std::string got = std::string("got ") + describe(k);
     switch (state_) {
-      case state::skip: return true;
+      case state::skip:
+        return true;
       case state::tensor_value:
         if (field_ == field::other) {
           state_ = state::tensor_key;
@@ -301,7 +325,8 @@ class header_handler {
       case state::offsets_elem:
         fail_tensor("'data_offsets' element is not an integer (" + got +
                     "); expected exactly 2 non-negative integers [begin, end]");
-      default: return internal();
+      default:
+        return internal();
     }
   }
 

@@ -211,7 +211,8 @@ std::vector<S> file::read_floats(const tensor_info& t) const {
       for (std::size_t i = 0; i < n; ++i, p += 2)
         out[i] = static_cast<S>(detail::bf16_bits_to_float(detail::load_u16(p)));
       break;
-    default: break;  // excluded above
+    default:
+      break;  // excluded above
   }
   return out;
 }

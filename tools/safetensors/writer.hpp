@@ -87,7 +87,8 @@ inline tensor_out make_tensor(std::string name, const std::vector<std::int64_t>&
         detail::store_u16(p, detail::double_to_bf16_bits(v));
         p += 2;
         break;
-      default: break;  // excluded above
+      default:
+        break;  // excluded above
     }
   }
   t.name = std::move(name);

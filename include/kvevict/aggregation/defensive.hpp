@@ -16,7 +16,10 @@ template <class S>
 class DefensiveAggregator {
  public:
   DefensiveAggregator(const LayerShape& shape, Index kernel, Pooling pooling, bool floor)
-      : shape_(shape), kernel_(kernel), pooling_(pooling), floor_(floor),
+      : shape_(shape),
+        kernel_(kernel),
+        pooling_(pooling),
+        floor_(floor),
         scores_(RowMatrix<S>::Zero(shape.kv_heads, shape.prefix)) {}  // attention >= 0: 0 is the identity of max
 
   /// rows [w, L]: the softmax rows of query head q. Writes only row q / G (see MeanAggregator::add).

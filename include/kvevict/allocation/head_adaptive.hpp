@@ -41,8 +41,9 @@ struct HeadAdaptiveAllocation {
       extend::KeepFlags safe(scores.score.size(), 0);
       for (Index h = 0; h < scores.heads; ++h) extend::top_k_of_head(scores, h, n_safe, safe);
       for (std::size_t f = 0; f < safe.size(); ++f)
-        if (safe[f]) scores.promote(static_cast<Index>(f) / scores.tokens, static_cast<Index>(f) % scores.tokens,
-                                    extend::Tier::forced);
+        if (safe[f])
+          scores.promote(static_cast<Index>(f) / scores.tokens, static_cast<Index>(f) % scores.tokens,
+                         extend::Tier::forced);
     }
     return extend::top_k_counts(scores, budget.total);
   }
@@ -55,7 +56,7 @@ struct HeadAdaptiveAllocation {
     if (n_kept <= w) return std::vector<Index>(static_cast<std::size_t>(scores.heads), n_kept);
     const Index prefix_budget = n_kept - w;
     std::vector<Index> b = extend::top_k_counts(scores, scores.heads * prefix_budget,
-                                        [&](std::size_t f) { return scores.tier[f] == extend::Tier::scored; });
+                                                [&](std::size_t f) { return scores.tier[f] == extend::Tier::scored; });
     const double floor_share = std::floor(params_.alpha * static_cast<double>(prefix_budget));
     for (Index& count : b)  // std::nearbyint rounds half to even in the default rounding mode
       count = static_cast<Index>(std::nearbyint(static_cast<double>(count) * (1.0 - params_.alpha) + floor_share)) + w;

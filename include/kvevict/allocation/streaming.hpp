@@ -19,9 +19,7 @@ class StreamingLLM {
   static constexpr const char* type_name = "StreamingLLM";
   struct Params {
     Index sinks = 4;
-    void validate(const char* where) const {
-      detail::require(sinks >= 0, where, "sinks must be >= 0, got ", sinks);
-    }
+    void validate(const char* where) const { detail::require(sinks >= 0, where, "sinks must be >= 0, got ", sinks); }
   };
 
   StreamingLLM() = default;
@@ -36,9 +34,10 @@ class StreamingLLM {
   bool reads_values() const { return false; }
 
   /// Selection over a layer of kv_heads x tokens.
-  Selection select(Index kv_heads, Index tokens, const Budget& budget, const char* where = "StreamingLLM::select") const {
-    detail::require(kv_heads >= 1 && tokens >= 1, where, "needs kv_heads >= 1 and tokens >= 1, got ", kv_heads,
-                    " and ", tokens);
+  Selection select(Index kv_heads, Index tokens, const Budget& budget,
+                   const char* where = "StreamingLLM::select") const {
+    detail::require(kv_heads >= 1 && tokens >= 1, where, "needs kv_heads >= 1 and tokens >= 1, got ", kv_heads, " and ",
+                    tokens);
     const auto n_kept = static_cast<Index>(budget.n_kept(tokens, where));
     const Index sinks = std::min(params_.sinks, n_kept), recent = n_kept - sinks;
     extend::KeepFlags keep(static_cast<std::size_t>(kv_heads * tokens), 0);

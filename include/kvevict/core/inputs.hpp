@@ -62,7 +62,6 @@ struct LayerShape {
 
 namespace kvevict::detail {
 
-
 /// Checks `in` against the rules of docs/algorithms.md section 1 for a window of `window` queries; O(1).
 template <class KV, class Q, class W>
 extend::LayerShape validate_inputs(const LayerInputs<KV, Q, W>& in, Index window, const char* where) {
@@ -96,9 +95,9 @@ extend::LayerShape validate_inputs(const LayerInputs<KV, Q, W>& in, Index window
             ") must equal the context length (", s.tokens, ")");
   const bool has_v = in.values.heads() * in.values.rows() * in.values.cols() > 0;
   if (has_v)
-    require(in.values.heads() == s.kv_heads && in.values.rows() == s.tokens, where, "values [", in.values.heads(),
-            ", ", in.values.rows(), ", ", in.values.cols(), "] must have the keys' KV heads (", s.kv_heads,
-            ") and tokens (", s.tokens, ")");
+    require(in.values.heads() == s.kv_heads && in.values.rows() == s.tokens, where, "values [", in.values.heads(), ", ",
+            in.values.rows(), ", ", in.values.cols(), "] must have the keys' KV heads (", s.kv_heads, ") and tokens (",
+            s.tokens, ")");
   return s;
 }
 

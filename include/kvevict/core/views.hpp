@@ -17,7 +17,8 @@ using RowMatrix = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMaj
 /// A 3-D view [heads, rows, cols] with contiguous cols and arbitrary head and row strides (in elements).
 /// Covers both engine layouts of a KV cache without copying:
 ///   heads-major (Hugging Face)   [kv_heads, tokens, head_dim]: head_stride = tokens * head_dim, row_stride = head_dim
-///   tokens-major (llama.cpp, vLLM) [tokens, kv_heads, head_dim]: head_stride = head_dim, row_stride = kv_heads * head_dim
+///   tokens-major (llama.cpp, vLLM) [tokens, kv_heads, head_dim]: head_stride = head_dim, row_stride = kv_heads *
+///   head_dim
 /// T is the storage type, usually const-qualified: float, double, Eigen::half or Eigen::bfloat16 (engines' KV
 /// caches); the library converts what it reads to its arithmetic type S (float unless select<double>()).
 template <class T>
@@ -31,9 +32,10 @@ class HeadsView {
   HeadsView() = default;
   HeadsView(T* data, Index heads, Index rows, Index cols, Index head_stride, Index row_stride)
       : data_(data), heads_(heads), rows_(rows), cols_(cols), head_stride_(head_stride), row_stride_(row_stride) {
-    detail::require(heads >= 0 && rows >= 0 && cols >= 0, "HeadsView",
-                    "extents must be non-negative, got [", heads, ", ", rows, ", ", cols, "]");
-    detail::require(data != nullptr || heads * rows * cols == 0, "HeadsView", "data must not be null for a non-empty view");
+    detail::require(heads >= 0 && rows >= 0 && cols >= 0, "HeadsView", "extents must be non-negative, got [", heads,
+                    ", ", rows, ", ", cols, "]");
+    detail::require(data != nullptr || heads * rows * cols == 0, "HeadsView",
+                    "data must not be null for a non-empty view");
     detail::require(row_stride >= cols && head_stride >= 0, "HeadsView", "row_stride (", row_stride,
                     ") must be >= cols (", cols, ") and head_stride (", head_stride, ") >= 0");
   }

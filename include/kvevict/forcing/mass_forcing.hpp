@@ -21,7 +21,9 @@ template <class S>
 class MassStatistics {
  public:
   MassStatistics(const LayerShape& shape, bool reference_quirks)
-      : shape_(shape), quirks_(reference_quirks), mass_(RowMatrix<S>::Zero(shape.kv_heads, shape.prefix)),
+      : shape_(shape),
+        quirks_(reference_quirks),
+        mass_(RowMatrix<S>::Zero(shape.kv_heads, shape.prefix)),
         bias_(static_cast<std::size_t>(shape.query_heads), 0.0) {}
 
   /// rows [w, L]: the softmax rows of query head q. Writes only row q / G of p and entry q of the bias sums

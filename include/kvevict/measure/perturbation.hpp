@@ -42,9 +42,9 @@ void validate_future(const HeadsView<const Q>& future, const KVView<const KV>& k
           ") must be a multiple of the KV heads (", keys.heads(), ")");
   require(future.cols() == keys.cols(), where, "future_queries head_dim (", future.cols(),
           ") must equal the keys head_dim (", keys.cols(), ")");
-  require(sel.heads() == keys.heads() && sel.context_length() == keys.rows(), where, "the selection (",
-          sel.heads(), " heads over ", sel.context_length(), " tokens) must match the keys (", keys.heads(),
-          " heads over ", keys.rows(), " tokens)");
+  require(sel.heads() == keys.heads() && sel.context_length() == keys.rows(), where, "the selection (", sel.heads(),
+          " heads over ", sel.context_length(), " tokens) must match the keys (", keys.heads(), " heads over ",
+          keys.rows(), " tokens)");
 }
 
 /// Softmax rows [F, L] of query head q over all context tokens, in double.
@@ -91,11 +91,11 @@ OutputPerturbation output_perturbation(const HeadsView<const Q>& future_queries,
   const char* where = "output_perturbation";
   detail::validate_future(future_queries, in.keys, sel, where);
   const Index H = future_queries.heads(), F = future_queries.rows(), G = H / in.keys.heads();
-  detail::require(in.values.heads() == in.keys.heads() && in.values.rows() == in.keys.rows(), where,
-          "values must be [", in.keys.heads(), ", ", in.keys.rows(), ", head_dim] like the keys");
+  detail::require(in.values.heads() == in.keys.heads() && in.values.rows() == in.keys.rows(), where, "values must be [",
+                  in.keys.heads(), ", ", in.keys.rows(), ", head_dim] like the keys");
   detail::require(in.w_o.heads() == H && in.w_o.cols() == in.values.cols() && in.w_o.rows() >= 1, where,
-          "w_o must be W_o [hidden, H * head_dim] with H = ", H, " and head_dim = ", in.values.cols(),
-          " (see output_projection())");
+                  "w_o must be W_o [hidden, H * head_dim] with H = ", H, " and head_dim = ", in.values.cols(),
+                  " (see output_projection())");
   RowMatrix<double> full = RowMatrix<double>::Zero(F, in.w_o.rows()), kept = full;
   for (Index q = 0; q < H; ++q) {
     RowMatrix<double> a = detail::future_attention(future_queries, in.keys, q);  // [F, L]
@@ -105,8 +105,8 @@ OutputPerturbation output_perturbation(const HeadsView<const Q>& future_queries,
       const double mass = a_kept.row(f).sum();
       if (mass > 0) a_kept.row(f) /= mass;
     }
-    const RowMatrix<double> vw = in.values.head(q / G).template cast<double>() *
-                                 in.w_o.head(q).template cast<double>().transpose();  // [L, D]
+    const RowMatrix<double> vw =
+        in.values.head(q / G).template cast<double>() * in.w_o.head(q).template cast<double>().transpose();  // [L, D]
     full.noalias() += a * vw;
     kept.noalias() += a_kept * vw;
   }

@@ -31,13 +31,13 @@ struct Knobs {
   std::optional<Index> window, kernel;
   std::optional<Pooling> pooling;
   std::optional<bool> reference_quirks;
-  std::optional<double> alpha;                               // HeadAdaptiveAllocation
+  std::optional<double> alpha;                                   // HeadAdaptiveAllocation
   std::optional<HeadAdaptiveAllocation::Variant> adakv_variant;  // HeadAdaptiveAllocation::Params::variant
-  std::optional<Index> sinks;                                // StreamingLLM
-  std::optional<double> eps, first_stage_ratio;              // CriticalSelector
-  std::optional<ValueNorm> value_norm;                       // CriticalSelector, DefensiveSelector
-  std::optional<double> mass_threshold;                      // DefensiveSelector
-  std::optional<bool> floor, value_term, mass_forcing;       // DefensiveSelector
+  std::optional<Index> sinks;                                    // StreamingLLM
+  std::optional<double> eps, first_stage_ratio;                  // CriticalSelector
+  std::optional<ValueNorm> value_norm;                           // CriticalSelector, DefensiveSelector
+  std::optional<double> mass_threshold;                          // DefensiveSelector
+  std::optional<bool> floor, value_term, mass_forcing;           // DefensiveSelector
 };
 
 namespace detail {

@@ -41,17 +41,18 @@ std::string name_of() {
 template <class T, class = void>
 struct is_allocation : std::false_type {};
 template <class T>
-struct is_allocation<T, std::void_t<typename T::Params,
-                                    decltype(std::declval<const typename T::Params&>().validate("")),
-                                    decltype(std::declval<const T&>().allocate(std::declval<extend::ScoreMap<float>&>(),
-                                                                               std::declval<const extend::LayerBudget&>()))>>
-    : std::bool_constant<std::is_constructible_v<T, const typename T::Params&> &&
-                         std::is_same_v<decltype(std::declval<const T&>().allocate(
-                                            std::declval<extend::ScoreMap<float>&>(), std::declval<const extend::LayerBudget&>())),
-                                        std::vector<Index>> &&
-                         std::is_same_v<decltype(std::declval<const T&>().allocate(
-                                            std::declval<extend::ScoreMap<double>&>(), std::declval<const extend::LayerBudget&>())),
-                                        std::vector<Index>>> {};
+struct is_allocation<
+    T, std::void_t<typename T::Params, decltype(std::declval<const typename T::Params&>().validate("")),
+                   decltype(std::declval<const T&>().allocate(std::declval<extend::ScoreMap<float>&>(),
+                                                              std::declval<const extend::LayerBudget&>()))>>
+    : std::bool_constant<
+          std::is_constructible_v<T, const typename T::Params&> &&
+          std::is_same_v<decltype(std::declval<const T&>().allocate(std::declval<extend::ScoreMap<float>&>(),
+                                                                    std::declval<const extend::LayerBudget&>())),
+                         std::vector<Index>> &&
+          std::is_same_v<decltype(std::declval<const T&>().allocate(std::declval<extend::ScoreMap<double>&>(),
+                                                                    std::declval<const extend::LayerBudget&>())),
+                         std::vector<Index>>> {};
 
 /// A Selector (selectors/selector.hpp documents each member); score<S>() must return Layer<S>.
 template <class T, class = void>
@@ -69,11 +70,12 @@ struct is_selector<
                    decltype(std::declval<const T&>().select(std::declval<const typename T::template Layer<float>&>(),
                                                             std::declval<const std::vector<Index>&>(),
                                                             std::declval<extend::KeepFlags&>()))>>
-    : std::bool_constant<std::is_constructible_v<T, const typename T::Params&> &&
-                         std::is_same_v<decltype(std::declval<const T&>().template score<float>(
-                                            std::declval<const LayerInputs<float>&>(), std::declval<const extend::LayerShape&>(),
-                                            std::declval<const CommonParams&>(), std::declval<const extend::LayerBudget&>(), "")),
-                                        typename T::template Layer<float>>> {};
+    : std::bool_constant<
+          std::is_constructible_v<T, const typename T::Params&> &&
+          std::is_same_v<decltype(std::declval<const T&>().template score<float>(
+                             std::declval<const LayerInputs<float>&>(), std::declval<const extend::LayerShape&>(),
+                             std::declval<const CommonParams&>(), std::declval<const extend::LayerBudget&>(), "")),
+                         typename T::template Layer<float>>> {};
 
 /// A model-level preset (LayerGlobalPolicy<S> or a class derived from one, such as LayerDefensiveKV).
 template <class T, class = void>

@@ -59,12 +59,13 @@ class LayerGlobalPolicy {
       auto scored = policy_.selector_.template score<S>(in, shape, policy_.params_, b, where.c_str());
       if (policy_.params_.reference_quirks) {
         const double cr = detail::quirk_compression_ratio(b, where.c_str());
-        detail::require(layers_.empty() || (shapes_.front().tokens == shape.tokens &&
-                                            shapes_.front().kv_heads == shape.kv_heads),
-                        where.c_str(), "reference_quirks needs every layer to have the same tokens and KV heads, ",
-                        "layer ", layers_.size(), " has ", shape.tokens, " and ", shape.kv_heads);
-        quirk_total_ = static_cast<Index>(static_cast<double>(shape.tokens) * (1.0 - cr) *
-                                          static_cast<double>(shape.kv_heads) * static_cast<double>(layers_.size() + 1));
+        detail::require(
+            layers_.empty() || (shapes_.front().tokens == shape.tokens && shapes_.front().kv_heads == shape.kv_heads),
+            where.c_str(), "reference_quirks needs every layer to have the same tokens and KV heads, ", "layer ",
+            layers_.size(), " has ", shape.tokens, " and ", shape.kv_heads);
+        quirk_total_ =
+            static_cast<Index>(static_cast<double>(shape.tokens) * (1.0 - cr) * static_cast<double>(shape.kv_heads) *
+                               static_cast<double>(layers_.size() + 1));
       }
       layers_.push_back(std::move(scored));
       shapes_.push_back(shape);

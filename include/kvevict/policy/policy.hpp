@@ -88,8 +88,8 @@ class Policy {
     const extend::LayerShape shape = detail::validate_inputs(in, params_.window, where.c_str());
     extend::LayerBudget layer = extend::layer_budget(shape, budget, where.c_str());
     selector_.adjust_budget(layer, shape, params_, where.c_str());
-    auto scored = selector_.template score<S>(in, shape, static_cast<const CommonParams&>(params_), layer,
-                                              where.c_str());
+    auto scored =
+        selector_.template score<S>(in, shape, static_cast<const CommonParams&>(params_), layer, where.c_str());
     const std::vector<Index> budgets = allocation_.allocate(scored.allocation, layer);
     extend::KeepFlags keep;
     selector_.select(scored, budgets, keep);
@@ -120,8 +120,8 @@ class Policy<Base, Selector, std::enable_if_t<detail::is_layer_global<Base>::val
  public:
   using typename LayerGlobalPolicy<Selector>::Params;
   Policy() : Policy(Params{}) {}
-  explicit Policy(const Params& params, std::string name = "Policy<" + detail::name_of<Base>() + ", " +
-                                                           detail::name_of<Selector>() + ">")
+  explicit Policy(const Params& params,
+                  std::string name = "Policy<" + detail::name_of<Base>() + ", " + detail::name_of<Selector>() + ">")
       : LayerGlobalPolicy<Selector>(params, std::move(name)) {}
 };
 

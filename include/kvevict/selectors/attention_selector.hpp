@@ -11,8 +11,8 @@
 namespace kvevict {
 inline namespace KVEVICT_ABI_NAMESPACE {  // core/config.hpp: code that depends on KVEVICT_OPENMP
 
-/// Scores prefix token j of KV head h by s[h][j] (docs/algorithms.md section 2.3, mean); the window ranks above every prefix
-/// token; each head keeps its top budgets[h].
+/// Scores prefix token j of KV head h by s[h][j] (docs/algorithms.md section 2.3, mean); the window ranks above every
+/// prefix token; each head keeps its top budgets[h].
 struct AttentionSelector {
   static constexpr const char* type_name = "AttentionSelector";
   struct Params {
@@ -27,15 +27,15 @@ struct AttentionSelector {
   explicit AttentionSelector(const Params&) {}
   bool reads_values() const { return false; }
 
-  void adjust_budget(extend::LayerBudget& /*budget*/, const extend::LayerShape& /*shape*/, const CommonParams& /*common*/,
-                     const char* /*where*/) const {}
+  void adjust_budget(extend::LayerBudget& /*budget*/, const extend::LayerShape& /*shape*/,
+                     const CommonParams& /*common*/, const char* /*where*/) const {}
 
   template <class S, class In>
-  Layer<S> score(const In& in, const extend::LayerShape& shape, const CommonParams& common, const extend::LayerBudget& /*budget*/,
-                 const char* where) const {
+  Layer<S> score(const In& in, const extend::LayerShape& shape, const CommonParams& common,
+                 const extend::LayerBudget& /*budget*/, const char* where) const {
     const auto obs = extend::observe<S>(in, shape, where);
     Layer<S> layer{extend::scores_with_window(extend::mean_scores(obs, common.kernel, common.pooling), shape.window,
-                                      common.reference_quirks)};
+                                              common.reference_quirks)};
     layer.allocation.require_finite(where);
     return layer;
   }

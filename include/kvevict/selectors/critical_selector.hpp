@@ -22,13 +22,13 @@ inline namespace KVEVICT_ABI_NAMESPACE {  // core/config.hpp: code that depends 
 struct CriticalSelector {
   static constexpr const char* type_name = "CriticalSelector";
   struct Params {
-    double eps = 1e-4;                   ///< added to s before weighting by the value norm
-    double first_stage_ratio = 0.5;      ///< fraction of each head's budget chosen by attention alone
+    double eps = 1e-4;                     ///< added to s before weighting by the value norm
+    double first_stage_ratio = 0.5;        ///< fraction of each head's budget chosen by attention alone
     ValueNorm value_norm = ValueNorm::l1;  ///< l1 (the papers' code) or l2 (Gram form, O(L d^2))
     void validate(const char* where) const {
       detail::require(std::isfinite(eps) && eps >= 0.0, where, "eps must be finite and >= 0, got ", eps);
-      detail::require(std::isfinite(first_stage_ratio) && first_stage_ratio >= 0.0 && first_stage_ratio <= 1.0,
-                      where, "first_stage_ratio must be in [0, 1], got ", first_stage_ratio);
+      detail::require(std::isfinite(first_stage_ratio) && first_stage_ratio >= 0.0 && first_stage_ratio <= 1.0, where,
+                      "first_stage_ratio must be in [0, 1], got ", first_stage_ratio);
     }
   };
   template <class S>
@@ -42,21 +42,21 @@ struct CriticalSelector {
   const Params& params() const { return params_; }
   bool reads_values() const { return true; }
 
-  void adjust_budget(extend::LayerBudget& /*budget*/, const extend::LayerShape& /*shape*/, const CommonParams& /*common*/,
-                     const char* /*where*/) const {}
+  void adjust_budget(extend::LayerBudget& /*budget*/, const extend::LayerShape& /*shape*/,
+                     const CommonParams& /*common*/, const char* /*where*/) const {}
 
   template <class S, class In>
-  Layer<S> score(const In& in, const extend::LayerShape& shape, const CommonParams& common, const extend::LayerBudget& /*budget*/,
-                 const char* where) const {
+  Layer<S> score(const In& in, const extend::LayerShape& shape, const CommonParams& common,
+                 const extend::LayerBudget& /*budget*/, const char* where) const {
     extend::validate_value_inputs(in, shape, params_.value_norm, where);
     const auto obs = extend::observe<S>(in, shape, where);
     const RowMatrix<S> s = extend::mean_scores(obs, common.kernel, common.pooling);
-    Layer<S> layer{extend::scores_with_window(s, shape.window, common.reference_quirks), extend::ScoreMap<S>(shape.kv_heads, shape.tokens)};
+    Layer<S> layer{extend::scores_with_window(s, shape.window, common.reference_quirks),
+                   extend::ScoreMap<S>(shape.kv_heads, shape.tokens)};
     layer.allocation.require_finite(where);
 
     OutputGram<S> scratch;
-    const OutputGram<S>* gram =
-        params_.value_norm == ValueNorm::l2 ? &extend::output_gram<S>(in, scratch) : nullptr;
+    const OutputGram<S>* gram = params_.value_norm == ValueNorm::l2 ? &extend::output_gram<S>(in, scratch) : nullptr;
     const RowMatrix<S> n = extend::value_norms<S>(in.values, in.w_o, shape.group, params_.value_norm, gram);
     const S eps = static_cast<S>(params_.eps);
     const S layer_max = s.maxCoeff();
@@ -78,8 +78,9 @@ struct CriticalSelector {
     keep.assign(layer.allocation.score.size(), 0);
     extend::ScoreMap<S> second = layer.critical;  // safeguard entries of the allocation stay first in stage 2 too
     for (std::size_t f = 0; f < second.tier.size(); ++f)
-      if (layer.allocation.tier[f] == extend::Tier::forced) second.promote(static_cast<Index>(f) / second.tokens,
-                                                                   static_cast<Index>(f) % second.tokens, extend::Tier::forced);
+      if (layer.allocation.tier[f] == extend::Tier::forced)
+        second.promote(static_cast<Index>(f) / second.tokens, static_cast<Index>(f) % second.tokens,
+                       extend::Tier::forced);
     for (Index h = 0; h < layer.allocation.heads; ++h) {
       const Index b = budgets[static_cast<std::size_t>(h)];
       const auto first = static_cast<Index>(static_cast<double>(b) * params_.first_stage_ratio);

@@ -50,12 +50,13 @@ struct DefensiveSelector {
                      const char* where) const {
     if (!common.reference_quirks) return;
     const double cr = detail::quirk_compression_ratio(budget, where);
-    budget.total = static_cast<Index>(static_cast<double>(shape.tokens) * (1.0 - cr) * static_cast<double>(shape.kv_heads));
+    budget.total =
+        static_cast<Index>(static_cast<double>(shape.tokens) * (1.0 - cr) * static_cast<double>(shape.kv_heads));
   }
 
   template <class S, class In>
-  Layer<S> score(const In& in, const extend::LayerShape& shape, const CommonParams& common, const extend::LayerBudget& budget,
-                 const char* where) const {
+  Layer<S> score(const In& in, const extend::LayerShape& shape, const CommonParams& common,
+                 const extend::LayerBudget& budget, const char* where) const {
     if (params_.value_term) extend::validate_value_inputs(in, shape, params_.value_norm, where);
     const auto obs = extend::observe<S>(in, shape, where);
     extend::DefensiveAggregator<S> aggregation(shape, common.kernel, common.pooling, params_.floor);
@@ -67,8 +68,7 @@ struct DefensiveSelector {
     RowMatrix<S> scores = aggregation.finish();  // M [Hkv, P]
     if (params_.value_term) {
       OutputGram<S> scratch;
-      const OutputGram<S>* gram =
-          params_.value_norm == ValueNorm::l2 ? &extend::output_gram<S>(in, scratch) : nullptr;
+      const OutputGram<S>* gram = params_.value_norm == ValueNorm::l2 ? &extend::output_gram<S>(in, scratch) : nullptr;
       const RowMatrix<S> n = extend::value_norms<S>(in.values, in.w_o, shape.group, params_.value_norm, gram);
       for (Index j = 0; j < shape.prefix; ++j) {
         const S total = n.col(j).sum();

@@ -43,7 +43,8 @@ RowMatrix<S> value_norms(const KVView<const KV>& values, const HeadsView<const W
   RowMatrix<S> n = RowMatrix<S>::Zero(Hkv, L);
   KVEVICT_ASSERT(norm == ValueNorm::l1 || gram != nullptr);
   struct Scratch {
-    RowMatrix<S> v, w, grams, projected;  // [L, d]; L1: W_o^q [D, d] (unless stored in S), [block, D]; L2: [d, G d], [block, G d]
+    RowMatrix<S> v, w, grams,
+        projected;  // [L, d]; L1: W_o^q [D, d] (unless stored in S), [block, D]; L2: [d, G d], [block, G d]
   };
   // KV heads in parallel with KVEVICT_OPENMP; each writes row h of n only.
   detail::parallel_for_with<Scratch>(Hkv, [&](Index h, Scratch& scratch) {
@@ -64,7 +65,8 @@ RowMatrix<S> value_norms(const KVView<const KV>& values, const HeadsView<const W
     // of rows (a wider GEMM than G products of [d, d]), then row-wise dots with v.
     RowMatrix<S>& grams = scratch.grams;  // the group's Gram matrices side by side
     grams.resize(d, group * d);
-    for (Index g = 0; g < group; ++g) grams.middleCols(g * d, d) = gram->per_head[static_cast<std::size_t>(h * group + g)];
+    for (Index g = 0; g < group; ++g)
+      grams.middleCols(g * d, d) = gram->per_head[static_cast<std::size_t>(h * group + g)];
     constexpr Index block = 256;
     for (Index j0 = 0; j0 < L; j0 += block) {
       const Index rows = std::min(block, L - j0);
@@ -90,21 +92,22 @@ RowMatrix<S> value_norms(const KVView<const KV>& values, const HeadsView<const W
 template <class KV, class Q, class W>
 void validate_value_inputs(const LayerInputs<KV, Q, W>& in, const LayerShape& s, ValueNorm norm, const char* where) {
   detail::require(in.values.heads() * in.values.rows() * in.values.cols() > 0, where,
-          "this policy needs values [kv_heads, tokens, head_dim] (LayerInputs::values)");
+                  "this policy needs values [kv_heads, tokens, head_dim] (LayerInputs::values)");
   detail::require(in.w_o.heads() * in.w_o.rows() * in.w_o.cols() > 0, where,
-          "this policy needs w_o [hidden, H * head_dim] (LayerInputs::w_o, built with output_projection())");
+                  "this policy needs w_o [hidden, H * head_dim] (LayerInputs::w_o, built with output_projection())");
   detail::require(in.w_o.heads() == s.query_heads && in.w_o.cols() == in.values.cols(), where,
-          "w_o must have H * head_dim = ", s.query_heads, " * ", in.values.cols(), " columns, got ", in.w_o.heads(),
-          " * ", in.w_o.cols());
+                  "w_o must have H * head_dim = ", s.query_heads, " * ", in.values.cols(), " columns, got ",
+                  in.w_o.heads(), " * ", in.w_o.cols());
   detail::require_finite(in.values, where, "values");
   if (in.w_o_gram) {
     const auto& g = *in.w_o_gram;
-    detail::require(g.heads() == s.query_heads, where, "w_o_gram must hold one Gram matrix per query head (", s.query_heads,
-            "), got ", g.heads(), "; make it with OutputGram::compute(w_o)");
+    detail::require(g.heads() == s.query_heads, where, "w_o_gram must hold one Gram matrix per query head (",
+                    s.query_heads, "), got ", g.heads(), "; make it with OutputGram::compute(w_o)");
     for (Index q = 0; q < g.heads(); ++q) {
       const auto& m = g.per_head[static_cast<std::size_t>(q)];
       detail::require(m.rows() == in.w_o.cols() && m.cols() == in.w_o.cols(), where, "w_o_gram head ", q, " must be [",
-              in.w_o.cols(), ", ", in.w_o.cols(), "] (head_dim x head_dim), got [", m.rows(), ", ", m.cols(), "]");
+                      in.w_o.cols(), ", ", in.w_o.cols(), "] (head_dim x head_dim), got [", m.rows(), ", ", m.cols(),
+                      "]");
       detail::require(std::isfinite((m.array() * 0).sum()), where, "w_o_gram head ", q, " is not finite");
     }
   }
