@@ -41,14 +41,6 @@ bool same(const std::vector<Selection>& a, const std::vector<Selection>& b) {
   return true;
 }
 
-/// `l` with q, k, v and W_o rounded to T (float storage then holds exactly what T storage holds).
-template <class T>
-VLayer rounded_to(VLayer l) {
-  for (auto* x : {&l.q, &l.k, &l.v, &l.w_o})
-    for (double& v : *x) v = static_cast<double>(static_cast<float>(static_cast<T>(static_cast<float>(v))));
-  return l;
-}
-
 }  // namespace
 
 // ---- the catalogue ---------------------------------------------------------------------------------------------
@@ -268,7 +260,8 @@ void mixed_selects_as_float(Rng& rng, int cases) {
     const Shape s = kvevict_test::random_shape(rng, 120);
     VLayer l = kvevict_test::random_vlayer(s, 24, rng);
     // Round each tensor to its own storage type, so float storage holds exactly the same values.
-    const VLayer rk = rounded_to<KV>(l), rq = rounded_to<Q>(l), rw = rounded_to<W>(l);
+    const VLayer rk = kvevict_test::rounded_to<KV>(l), rq = kvevict_test::rounded_to<Q>(l),
+                 rw = kvevict_test::rounded_to<W>(l);
     l.k = rk.k;
     l.v = rk.v;
     l.q = rq.q;
@@ -312,8 +305,8 @@ TEST_CASE(
 TEST_CASE("the precomputed Gram of a bf16 W_o goes with the W_o storage type", "[catalogue][half]") {
   Rng rng(1204);
   const Shape s{8, 2, 4, 50, 16};
-  const VLayer l = rounded_to<Eigen::bfloat16>(kvevict_test::random_vlayer(s, 24, rng));
-  Mixed<Eigen::half, float, Eigen::bfloat16> m(rounded_to<Eigen::half>(l), Layout::heads_major);
+  const VLayer l = kvevict_test::rounded_to<Eigen::bfloat16>(kvevict_test::random_vlayer(s, 24, rng));
+  Mixed<Eigen::half, float, Eigen::bfloat16> m(kvevict_test::rounded_to<Eigen::half>(l), Layout::heads_major);
   const auto gram = kvevict::OutputGram<float>::compute(m.in.w_o);
   m.in.w_o_gram = &gram;
   kvevict::CriticalKV::Params p;

@@ -22,14 +22,6 @@ using kvevict_test::VLayer;
 
 namespace {
 
-/// `l` with every entry rounded to T (so float storage holds exactly what T storage holds).
-template <class T>
-VLayer rounded_to(VLayer l) {
-  for (auto* x : {&l.q, &l.k, &l.v, &l.w_o})
-    for (double& v : *x) v = static_cast<double>(static_cast<float>(static_cast<T>(static_cast<float>(v))));
-  return l;
-}
-
 template <class Policy, class T>
 void same_as_float_storage(const char* name, const VLayer& l, std::int64_t n_kept, Layout layout) {
   typename Policy::Params p;
@@ -54,7 +46,7 @@ TEMPLATE_TEST_CASE(
   Rng rng(31);
   for (int c = 0; c < 60; ++c) {
     const Shape s = kvevict_test::random_shape(rng, 160);
-    const VLayer l = rounded_to<T>(kvevict_test::random_vlayer(s, 24, rng));
+    const VLayer l = kvevict_test::rounded_to<T>(kvevict_test::random_vlayer(s, 24, rng));
     const std::int64_t n_kept = std::uniform_int_distribution<std::int64_t>(1, s.L)(rng);
     const Layout layout = c % 2 ? Layout::heads_major : Layout::tokens_major;
     same_as_float_storage<kvevict::SnapKV, T>("snapkv", l, n_kept, layout);

@@ -79,6 +79,14 @@ inline std::vector<double> ref_attention(const VLayer& l) {
   return kvevict_ref::window_attention(l.q, l.k, l.s.H, l.s.Hkv, l.s.w, l.s.L, l.s.d);
 }
 
+/// `l` with every entry rounded to T (so float storage holds exactly what T storage holds).
+template <class T>
+VLayer rounded_to(VLayer l) {
+  for (auto* x : {&l.q, &l.k, &l.v, &l.w_o})
+    for (double& v : *x) v = static_cast<double>(static_cast<float>(static_cast<T>(static_cast<float>(v))));
+  return l;
+}
+
 /// Storage of one layer in type T and the LayerInputs viewing it. Not copyable (the views point into the vectors);
 /// moving keeps the buffers, so returning it by value is fine.
 template <class T>
