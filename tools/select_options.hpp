@@ -29,6 +29,8 @@ struct Options {
   std::string budget_text;
   kvevict::Knobs knobs;  // the options given; knobs.window defaults to the rows of q_window / window_attention
   std::string precision = "f32";
+  bool reads_observation = true;  // what the policy reads (LayerInputs::queries or attention; values and w_o)
+  bool reads_values = false;
 
   std::map<std::string, std::string> metadata() const {
     return {{"policy", policy},       {"base", base},
@@ -247,6 +249,11 @@ inline std::optional<Options> parse_options(int argc, char** argv) {
                         kvevict::catalogue::names(kvevict::catalogue::selectors()) + ")");
     o.policy = o.base + "+" + o.selector;
   }
+  visit_policy(o, [&](const auto& entry) {
+    const auto made = entry.make(o.knobs);
+    o.reads_observation = made.reads_observation();
+    o.reads_values = made.reads_values();
+  });
   return o;
 }
 

@@ -99,12 +99,7 @@ LayerTensors<S> load_layer(const Options& opt, const st::file& in, Index layer, 
   if (t.queries && t.attention)
     throw input_error("layer " + std::to_string(layer) +
                       " has both 'q_window' and 'window_attention'; expected exactly one");
-  bool needs_observation = true, value_aware = false;
-  visit_policy(opt, [&](const auto& entry) {
-    const auto policy = entry.make(opt.knobs);
-    needs_observation = policy.reads_observation();
-    value_aware = policy.reads_values();
-  });
+  const bool needs_observation = opt.reads_observation, value_aware = opt.reads_values;
   if (!t.queries && !t.attention && needs_observation)
     throw input_error("missing tensor '" + prefix + "q_window' [heads, window, head_dim] (or '" + prefix +
                       "window_attention' [heads, window, tokens])");
