@@ -257,7 +257,7 @@ void BM_ValueTerm(benchmark::State& state, const Model& m, kvevict::ValueNorm no
 /// real heads).
 void BM_MassForcing(benchmark::State& state, const Model& m, bool peaked) {
   const Index L = state.range(0), P = L - kWindow, G = m.H / m.Hkv;
-  const kvevict::extend::LayerShape shape{m.H, m.Hkv, G, L, kWindow, P, m.d};
+  const kvevict::extend::LayerShape shape{m.H, m.Hkv, G, L, kWindow, P, m.d, {}, {}};
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> u(0.f, 1.f);
   kvevict::extend::MassStatistics<float> mass(shape, false);

@@ -313,7 +313,7 @@ TEST_CASE(
     for (int kind = 0; kind < 4; ++kind) {
       // One KV head, one query head, w = 1: the mass row is the prefix of the single window row.
       const Index L = P + 1;
-      const kvevict::extend::LayerShape shape{1, 1, 1, L, 1, P, 1};
+      const kvevict::extend::LayerShape shape{1, 1, 1, L, 1, P, 1, {}, {}};
       RowMatrix<float> rows(1, L);
       for (Index j = 0; j < P; ++j) {
         const double u = u01(rng);

@@ -240,7 +240,7 @@ TEST_CASE("compact() errors: capacity, heads, tokens, head_dim", "[selection][co
   REQUIRE_THROWS_MATCHES(sel.compact(kvevict::kv_heads_major<const float>(src.data(), 2, 3, 3),
                                      kvevict::kv_heads_major<float>(dst.data(), 2, 4, 3)),
                          kvevict::invalid_argument,
-                         MessageContains("source tokens (3) must equal the selection's context length (4)"));
+                         MessageContains("source rows (3) must hold the selection's context length (4)"));
   REQUIRE_THROWS_MATCHES(sel.compact(in, kvevict::kv_heads_major<float>(dst.data(), 1, 4, 3)),
                          kvevict::invalid_argument,
                          MessageContains("destination heads (1) must equal the selection's KV heads (2)"));

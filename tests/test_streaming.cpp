@@ -106,5 +106,5 @@ TEST_CASE("StreamingLLM errors", "[streaming][errors]") {
                          MessageContains("got 0 from compression ratio 0.95"));
   const kvevict::LayerInputs<float> empty;
   REQUIRE_THROWS_MATCHES(s.select(empty, Budget::tokens(1)), kvevict::invalid_argument,
-                         MessageContains("kvevict::StreamingLLM::select: needs kv_heads >= 1"));
+                         MessageContains("kvevict::StreamingLLM::select: keys must be a non-empty"));
 }

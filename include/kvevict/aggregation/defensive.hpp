@@ -22,13 +22,14 @@ class DefensiveAggregator {
         floor_(floor),
         scores_(RowMatrix<S>::Zero(shape.kv_heads, shape.prefix)) {}  // attention >= 0: 0 is the identity of max
 
-  /// rows [w, L]: the softmax rows of query head q. Writes only row q / G (see MeanAggregator::add).
+  /// rows [w, L_h]: the softmax rows of query head q. Writes only row q / G (see MeanAggregator::add).
   void add(Index q, const RowMatrix<S>& rows) {
-    auto out = scores_.row(q / shape_.group);
-    Eigen::Matrix<S, 1, Eigen::Dynamic> pooled(shape_.prefix);
+    const Index P = rows.cols() - shape_.window;
+    auto out = scores_.row(q / shape_.group).head(P);
+    Eigen::Matrix<S, 1, Eigen::Dynamic> pooled(P);
     for (Index i = 0; i < shape_.window; ++i) {
-      const auto a = rows.row(i).head(shape_.prefix);
-      pool1d(a.data(), shape_.prefix, kernel_, pooling_, pooled.data());
+      const auto a = rows.row(i).head(P);
+      pool1d(a.data(), P, kernel_, pooling_, pooled.data());
       const S pooled_mass = pooled.sum();
       if (pooled_mass > S(0)) pooled *= a.sum() / pooled_mass;
       out = out.cwiseMax(pooled);
@@ -36,9 +37,10 @@ class DefensiveAggregator {
   }
   RowMatrix<S> finish() {
     if (floor_)
-      for (Index h = 0; h < shape_.kv_heads; ++h) {
-        const S mean = scores_.row(h).mean();
-        scores_.row(h) = scores_.row(h).cwiseMax(mean);
+      for (Index h = 0; h < shape_.kv_heads; ++h) {  // over the head's own P_h scores (section 6)
+        auto own = scores_.row(h).head(shape_.prefix_of(h));
+        const S mean = own.mean();
+        own = own.cwiseMax(mean);
       }
     return scores_;
   }

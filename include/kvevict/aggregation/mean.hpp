@@ -10,19 +10,21 @@ namespace kvevict::extend {
 
 /// Accumulates scores [Hkv, P] of the prefix tokens one query head at a time:
 ///   s_q = mean_i A[q][i, :P]; s_q = pool(s_q); s[h] = mean over the G query heads of group h.
+/// On a ragged layer head h's row holds its P_h scores, then zeros (docs/algorithms.md section 6).
 template <class S>
 class MeanAggregator {
  public:
   MeanAggregator(const LayerShape& shape, Index kernel, Pooling pooling)
       : shape_(shape), kernel_(kernel), pooling_(pooling), scores_(RowMatrix<S>::Zero(shape.kv_heads, shape.prefix)) {}
 
-  /// rows [w, L]: the softmax rows of query head q. Writes only row q / G (WindowObservation::for_each_head may
+  /// rows [w, L_h]: the softmax rows of query head q. Writes only row q / G (WindowObservation::for_each_head may
   /// add different KV heads concurrently).
   void add(Index q, const RowMatrix<S>& rows) {
-    const Vector row_mean = rows.leftCols(shape_.prefix).colwise().sum() / static_cast<S>(shape_.window);
-    Vector pooled(shape_.prefix);
-    pool1d(row_mean.data(), shape_.prefix, kernel_, pooling_, pooled.data());
-    scores_.row(q / shape_.group) += pooled;
+    const Index P = rows.cols() - shape_.window;
+    const Vector row_mean = rows.leftCols(P).colwise().sum() / static_cast<S>(shape_.window);
+    Vector pooled(P);
+    pool1d(row_mean.data(), P, kernel_, pooling_, pooled.data());
+    scores_.row(q / shape_.group).head(P) += pooled;
   }
   /// Scores [Hkv, P] once every query head was added.
   RowMatrix<S> finish() { return scores_ / static_cast<S>(shape_.group); }

@@ -2,6 +2,7 @@
 /// Stage 2.5, head-adaptive allocation (Ada-KV, arXiv 2407.11550): the layer's budget is shared across KV heads
 /// by one top-k over all of them, with a per-head safeguard.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -39,7 +40,7 @@ struct HeadAdaptiveAllocation {
     const auto n_safe = static_cast<Index>(static_cast<double>(budget.n_kept) * params_.alpha);
     if (n_safe > 0) {
       extend::KeepFlags safe(scores.score.size(), 0);
-      for (Index h = 0; h < scores.heads; ++h) extend::top_k_of_head(scores, h, n_safe, safe);
+      for (Index h = 0; h < scores.heads; ++h) extend::top_k_of_head(scores, h, std::min(n_safe, scores.length(h)), safe);
       for (std::size_t f = 0; f < safe.size(); ++f)
         if (safe[f])
           scores.promote(static_cast<Index>(f) / scores.tokens, static_cast<Index>(f) % scores.tokens,
@@ -53,13 +54,16 @@ struct HeadAdaptiveAllocation {
   std::vector<Index> allocate_original(const extend::ScoreMap<S>& scores, const extend::LayerBudget& budget) const {
     const Index w = budget.window;
     const auto n_kept = static_cast<Index>(budget.n_kept);
-    if (n_kept <= w) return std::vector<Index>(static_cast<std::size_t>(scores.heads), n_kept);
+    if (n_kept <= w) return std::vector<Index>(static_cast<std::size_t>(scores.heads), n_kept);  // L_h > w
     const Index prefix_budget = n_kept - w;
     std::vector<Index> b = extend::top_k_counts(scores, scores.heads * prefix_budget,
                                                 [&](std::size_t f) { return scores.tier[f] == extend::Tier::scored; });
     const double floor_share = std::floor(params_.alpha * static_cast<double>(prefix_budget));
-    for (Index& count : b)  // std::nearbyint rounds half to even in the default rounding mode
+    for (Index h = 0; h < scores.heads; ++h) {  // std::nearbyint rounds half to even in the default rounding mode
+      Index& count = b[static_cast<std::size_t>(h)];
       count = static_cast<Index>(std::nearbyint(static_cast<double>(count) * (1.0 - params_.alpha) + floor_share)) + w;
+      count = std::min(count, scores.length(h));  // a ragged head never keeps more than it holds (section 6)
+    }
     return b;
   }
 

@@ -22,10 +22,11 @@ struct LayerBudget {
   bool shared_across_layers = false;
 };
 
-/// The budget of one layer of `shape`: n_kept from `budget` (throws unless 1 <= n_kept <= L), total Hkv * n_kept.
+/// The budget of one layer of `shape`: n_kept from `budget` (throws unless 1 <= n_kept <= L; on a ragged layer,
+/// resolved against the mean entries per head, docs/algorithms.md section 6), total Hkv * n_kept.
 inline LayerBudget layer_budget(const LayerShape& shape, const Budget& budget, const char* where = "select") {
   LayerBudget b;
-  b.n_kept = budget.n_kept(shape.tokens, where);
+  b.n_kept = shape.ragged() ? budget.n_kept(shape.entries(), shape.kv_heads, where) : budget.n_kept(shape.tokens, where);
   b.total = shape.kv_heads * static_cast<Index>(b.n_kept);
   b.window = shape.window;
   if (budget.kind() == Budget::Kind::compression_ratio) b.compression_ratio = budget.value();

@@ -12,7 +12,7 @@ namespace kvevict::extend {
 
 /// Per-(layer, KV head) budgets from one top-k of `total` entries over all layers' maps. Order: entries above the
 /// scored tier first (forced and window tokens: +infinity, always kept while they fit), then score descending, then
-/// the more recent token, the lower layer, the lower KV head (docs/algorithms.md section 2.7). Linear expected time.
+/// the more recent token (higher original position), the lower layer, the lower KV head (docs/algorithms.md section 2.7). Linear expected time.
 template <class S>
 std::vector<std::vector<Index>> allocate_layer_global(const std::vector<const ScoreMap<S>*>& layers, Index total) {
   struct Entry {
@@ -24,7 +24,8 @@ std::vector<std::vector<Index>> allocate_layer_global(const std::vector<const Sc
   for (const ScoreMap<S>* m : layers) size += m->score.size();
   cand.reserve(size);
   for (std::size_t l = 0; l < layers.size(); ++l)
-    for (std::size_t f = 0; f < layers[l]->score.size(); ++f) cand.push_back({static_cast<std::uint32_t>(l), f});
+    for (std::size_t f = 0; f < layers[l]->score.size(); ++f)
+      if (layers[l]->tier[f] != Tier::absent) cand.push_back({static_cast<std::uint32_t>(l), f});
   KVEVICT_ASSERT(total >= 0 && static_cast<std::size_t>(total) <= cand.size());
   auto ranks_before = [&](const Entry& a, const Entry& b) {
     const ScoreMap<S>& ma = *layers[a.layer];
@@ -32,8 +33,8 @@ std::vector<std::vector<Index>> allocate_layer_global(const std::vector<const Sc
     const bool pa = ma.tier[a.flat] != Tier::scored, pb = mb.tier[b.flat] != Tier::scored;
     if (pa != pb) return pa;
     if (!pa && ma.score[a.flat] != mb.score[b.flat]) return ma.score[a.flat] > mb.score[b.flat];
-    const Index ja = static_cast<Index>(a.flat) % ma.tokens, jb = static_cast<Index>(b.flat) % mb.tokens;
-    if (ja != jb) return ja > jb;
+    const std::int64_t pa_pos = ma.position_of(a.flat), pb_pos = mb.position_of(b.flat);
+    if (pa_pos != pb_pos) return pa_pos > pb_pos;
     if (a.layer != b.layer) return a.layer < b.layer;
     return a.flat < b.flat;
   };

@@ -38,28 +38,40 @@ class StreamingLLM {
                    const char* where = "StreamingLLM::select") const {
     detail::require(kv_heads >= 1 && tokens >= 1, where, "needs kv_heads >= 1 and tokens >= 1, got ", kv_heads, " and ",
                     tokens);
-    const auto n_kept = static_cast<Index>(budget.n_kept(tokens, where));
-    const Index sinks = std::min(params_.sinks, n_kept), recent = n_kept - sinks;
-    extend::KeepFlags keep(static_cast<std::size_t>(kv_heads * tokens), 0);
-    for (Index h = 0; h < kv_heads; ++h)
-      for (Index j = 0; j < tokens; ++j)
-        keep[static_cast<std::size_t>(h * tokens + j)] = (j < sinks || j >= tokens - recent) ? 1 : 0;
-    return Selection::from_flags(keep, kv_heads, tokens);
+    extend::LayerShape shape;
+    shape.kv_heads = kv_heads;
+    shape.tokens = tokens;
+    return select(shape, budget, where);
   }
 
-  /// Same as the scored policies' entry point; reads only keys [Hkv, L, d].
+  /// Same as the scored policies' entry point; reads only the keys' shape, lengths and positions (a ragged layer
+  /// keeps b_h = min(n_kept, L_h) per head, sinks first: docs/algorithms.md section 6).
   template <class S = float, class KV, class Q, class W>
   Selection select(const LayerInputs<KV, Q, W>& in, const Budget& budget) const {
-    return select(in.keys.heads(), in.keys.rows(), budget);
+    const char* where = "StreamingLLM::select";
+    return select(detail::read_entries(in, where), budget, where);
   }
   /// The same for layer `layer` of a model (named in error messages).
   template <class S = float, class KV, class Q, class W>
   Selection select(const LayerInputs<KV, Q, W>& in, const Budget& budget, Index layer) const {
     const std::string where = "StreamingLLM::select (layer " + std::to_string(layer) + ")";
-    return select(in.keys.heads(), in.keys.rows(), budget, where.c_str());
+    return select(detail::read_entries(in, where.c_str()), budget, where.c_str());
   }
 
  private:
+  Selection select(const extend::LayerShape& shape, const Budget& budget, const char* where) const {
+    const auto n_kept = static_cast<Index>(shape.ragged() ? budget.n_kept(shape.entries(), shape.kv_heads, where)
+                                                          : budget.n_kept(shape.tokens, where));
+    extend::KeepFlags keep(static_cast<std::size_t>(shape.kv_heads * shape.tokens), 0);
+    for (Index h = 0; h < shape.kv_heads; ++h) {
+      const Index L = shape.length(h), kept = std::min(n_kept, L);
+      const Index sinks = std::min(params_.sinks, kept), recent = kept - sinks;
+      for (Index j = 0; j < L; ++j)
+        keep[static_cast<std::size_t>(h * shape.tokens + j)] = (j < sinks || j >= L - recent) ? 1 : 0;
+    }
+    return Selection::from_flags(keep, shape);
+  }
+
   Params params_;
 };
 

@@ -1,6 +1,7 @@
 #pragma once
 /// Stage 2.5, uniform allocation (SnapKV, arXiv 2404.14469): every KV head keeps n_kept tokens.
 
+#include <algorithm>
 #include <vector>
 
 #include "kvevict/allocation/layer_budget.hpp"
@@ -9,7 +10,8 @@
 namespace kvevict {
 
 /// Uniform allocation: b_h = n_kept for every KV head. With the window in the window tier, each head keeps the
-/// window plus its top (n_kept - w) prefix tokens; with n_kept < w, its most recent n_kept window tokens.
+/// window plus its top (n_kept - w) prefix tokens; with n_kept < w, its most recent n_kept window tokens. On a
+/// ragged layer b_h = min(n_kept, L_h) (docs/algorithms.md section 6).
 struct UniformAllocation {
   static constexpr const char* type_name = "UniformAllocation";
   struct Params {
@@ -21,7 +23,10 @@ struct UniformAllocation {
   /// Per-head budgets [kv_heads].
   template <class S>
   std::vector<Index> allocate(extend::ScoreMap<S>& scores, const extend::LayerBudget& budget) const {
-    return std::vector<Index>(static_cast<std::size_t>(scores.heads), static_cast<Index>(budget.n_kept));
+    std::vector<Index> b(static_cast<std::size_t>(scores.heads));
+    for (Index h = 0; h < scores.heads; ++h)
+      b[static_cast<std::size_t>(h)] = std::min(static_cast<Index>(budget.n_kept), scores.length(h));
+    return b;
   }
 };
 

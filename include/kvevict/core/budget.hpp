@@ -38,15 +38,27 @@ class Budget {
 
   /// Tokens kept per KV head on average for a context of L tokens; throws unless 1 <= n_kept <= L.
   std::int64_t n_kept(Index L, const char* where = "Budget") const {
-    std::int64_t n = tokens_;
-    if (kind_ == Kind::keep_ratio) n = static_cast<std::int64_t>(static_cast<double>(L) * value_);
-    if (kind_ == Kind::compression_ratio) n = static_cast<std::int64_t>(static_cast<double>(L) * (1.0 - value_));
+    const std::int64_t n = resolve(static_cast<double>(L));
     detail::require(n >= 1 && n <= L, where, "n_kept must be in [1, ", L, "] (the context length), got ", n,
                     describe());
     return n;
   }
+  /// The same for a ragged layer of `heads` KV heads holding `entries` in all (docs/algorithms.md section 6):
+  /// resolved against the mean entries per head; throws unless 1 <= n_kept and heads * n_kept <= entries.
+  std::int64_t n_kept(Index entries, Index heads, const char* where) const {
+    const std::int64_t n = resolve(static_cast<double>(entries) / static_cast<double>(heads));
+    const Index most = entries / heads;
+    detail::require(n >= 1 && n <= most, where, "n_kept must be in [1, ", most, "] (the mean entries per KV head, ",
+                    entries, " / ", heads, ", rounded down), got ", n, describe());
+    return n;
+  }
 
  private:
+  std::int64_t resolve(double mean_length) const {
+    if (kind_ == Kind::keep_ratio) return static_cast<std::int64_t>(mean_length * value_);
+    if (kind_ == Kind::compression_ratio) return static_cast<std::int64_t>(mean_length * (1.0 - value_));
+    return tokens_;
+  }
   Budget(Kind kind, double value, std::int64_t tokens) : kind_(kind), value_(value), tokens_(tokens) {}
   std::string describe() const {
     if (kind_ == Kind::keep_ratio) return detail::concat(" from keep ratio ", value_);

@@ -1,8 +1,10 @@
 #pragma once
 /// What a policy reads for one layer, and the shape checks every policy runs once on it.
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "kvevict/core/error.hpp"
 #include "kvevict/core/views.hpp"
@@ -24,6 +26,12 @@ using gram_scalar_t = std::conditional_t<std::is_same_v<std::remove_const_t<T>, 
 ///   values    [Hkv, L, head_dim] values (only value-aware selectors read them; may be empty otherwise)
 ///   w_o       [H, D, head_dim]  the output projection W_o [D, H * head_dim] seen per query head (build it with
 ///                               output_projection(); only value-aware selectors read it)
+///   lengths   optional, ragged caches (docs/algorithms.md section 6): [Hkv] entries held by each KV head; head h's
+///             entries are rows [0, lengths[h]) of keys and values, the rows beyond are spare capacity. Null: every
+///             head holds keys.rows() entries. With lengths, attention needs >= max lengths[h] columns.
+///   positions optional: original token positions [Hkv, >= L_h] of the entries (positions_heads_major() or
+///             positions_tokens_major()), strictly increasing along each head; ties across heads go to the higher
+///             position. Empty: entry j of every head is at position j.
 ///   w_o_gram  optional: OutputGram::compute(w_o), made once per model layer. The L2 value term
 ///             (ValueNorm::l2) then reads it instead of recomputing W_o^T W_o [d, d] per query head on every
 ///             select (2 H D d^2 FLOPs, as much as the value term itself at 4k tokens for Llama-3.1-8B). It must be
@@ -41,44 +49,110 @@ struct LayerInputs {
   KVView<const KV> values;
   HeadsView<const W> w_o;
   const OutputGram<gram_scalar_t<W>>* w_o_gram = nullptr;
+  const std::int64_t* lengths = nullptr;
+  PositionsView positions;
 };
 
 }  // namespace kvevict
 
 namespace kvevict::extend {
 
-/// The dimensions of one layer after validation.
+/// The dimensions of one layer after validation. On a ragged layer (docs/algorithms.md section 6) `tokens` and
+/// `prefix` are the longest head's, and length(h) / prefix_of(h) each head's own.
 struct LayerShape {
   Index query_heads = 0;  ///< H
   Index kv_heads = 0;     ///< Hkv
   Index group = 0;        ///< G = H / Hkv
-  Index tokens = 0;       ///< L
+  Index tokens = 0;       ///< L (the longest head's L_h)
   Index window = 0;       ///< w
   Index prefix = 0;       ///< P = L - w
   Index head_dim = 0;     ///< d
+  std::vector<Index> lengths;  ///< L_h [Hkv] when the heads hold different numbers of entries; empty: all L
+  PositionsView positions;     ///< original positions [Hkv, >= L_h]; empty: entry j is at position j
+
+  /// L_h, the entries of KV head h.
+  Index length(Index h) const { return lengths.empty() ? tokens : lengths[static_cast<std::size_t>(h)]; }
+  /// P_h = L_h - w.
+  Index prefix_of(Index h) const { return length(h) - window; }
+  /// Whether the heads hold different numbers of entries.
+  bool ragged() const { return !lengths.empty(); }
+  /// The sum of L_h over KV heads.
+  Index entries() const {
+    if (lengths.empty()) return kv_heads * tokens;
+    Index n = 0;
+    for (Index l : lengths) n += l;
+    return n;
+  }
+  /// The original position of entry j of KV head h.
+  std::int64_t position(Index h, Index j) const { return positions.heads() > 0 ? *positions.row(h, j) : j; }
 };
 
 }  // namespace kvevict::extend
 
 namespace kvevict::detail {
 
-/// Checks `in` against the rules of docs/algorithms.md section 1 for a window of `window` queries; O(1).
+/// Per-head lengths [Hkv] of a ragged layer into `s` (kept only when they differ; s.tokens becomes the longest).
+inline void read_lengths(const std::int64_t* lengths, Index capacity, extend::LayerShape& s, const char* where) {
+  Index longest = 0;
+  bool equal = true;
+  for (Index h = 0; h < s.kv_heads; ++h) {
+    const auto l = static_cast<Index>(lengths[h]);
+    require(l >= 1 && l <= capacity, where, "lengths[", h, "] must be in [1, ", capacity,
+            "] (the keys' rows, the capacity), got ", lengths[h]);
+    longest = std::max(longest, l);
+    equal = equal && l == static_cast<Index>(lengths[0]);
+  }
+  s.tokens = longest;
+  if (!equal) s.lengths.assign(lengths, lengths + s.kv_heads);
+}
+
+/// Checks the positions view [Hkv, >= L_h, 1] (strictly increasing along each head) and stores it in `s`.
+inline void read_positions(const PositionsView& pos, extend::LayerShape& s, const char* where) {
+  require(pos.heads() == s.kv_heads && pos.cols() == 1 && pos.rows() >= s.tokens, where, "positions [",
+          pos.heads(), ", ", pos.rows(), ", ", pos.cols(), "] must be [kv_heads = ", s.kv_heads,
+          ", >= ", s.tokens, " entries] (one column)");
+  for (Index h = 0; h < s.kv_heads; ++h)
+    for (Index j = 1; j < s.length(h); ++j)
+      require(*pos.row(h, j) > *pos.row(h, j - 1), where, "positions of KV head ", h,
+              " must be strictly increasing, got ", *pos.row(h, j - 1), " then ", *pos.row(h, j), " at entry ", j);
+  s.positions = pos;
+}
+
+/// The entries of a layer: keys [Hkv, capacity, d], lengths and positions (docs/algorithms.md section 6), checked;
+/// all a positional policy (StreamingLLM) reads. O(1), or O(sum of L_h) with positions.
 template <class KV, class Q, class W>
-extend::LayerShape validate_inputs(const LayerInputs<KV, Q, W>& in, Index window, const char* where) {
-  const bool has_q = in.queries.heads() * in.queries.rows() * in.queries.cols() > 0;
-  const bool has_a = in.attention.heads() * in.attention.rows() * in.attention.cols() > 0;
+extend::LayerShape read_entries(const LayerInputs<KV, Q, W>& in, const char* where) {
   require(in.keys.heads() >= 1 && in.keys.rows() >= 1 && in.keys.cols() >= 1, where,
           "keys must be a non-empty [kv_heads, tokens, head_dim] view, got [", in.keys.heads(), ", ", in.keys.rows(),
           ", ", in.keys.cols(), "]");
-  require(has_q != has_a, where, "exactly one of queries [H, w, head_dim] and attention [H, w, L] must be given, got ",
-          has_q ? "both" : "neither");
   extend::LayerShape s;
   s.kv_heads = in.keys.heads();
   s.tokens = in.keys.rows();
   s.head_dim = in.keys.cols();
+  if (in.lengths) read_lengths(in.lengths, in.keys.rows(), s, where);
+  if (in.positions.heads() * in.positions.rows() * in.positions.cols() > 0) read_positions(in.positions, s, where);
+  return s;
+}
+
+/// Checks `in` against the rules of docs/algorithms.md section 1 for a window of `window` queries (and
+/// section 6 for ragged layers); O(1), or O(sum of L_h) with positions.
+template <class KV, class Q, class W>
+extend::LayerShape validate_inputs(const LayerInputs<KV, Q, W>& in, Index window, const char* where) {
+  const bool has_q = in.queries.heads() * in.queries.rows() * in.queries.cols() > 0;
+  const bool has_a = in.attention.heads() * in.attention.rows() * in.attention.cols() > 0;
+  extend::LayerShape s = read_entries(in, where);
+  require(has_q != has_a, where, "exactly one of queries [H, w, head_dim] and attention [H, w, L] must be given, got ",
+          has_q ? "both" : "neither");
   s.window = window;
   require(window >= 1, where, "window must be >= 1, got ", window);
-  require(window < s.tokens, where, "window (", window, ") must be smaller than the context length (", s.tokens, ")");
+  if (s.ragged()) {
+    for (Index h = 0; h < s.kv_heads; ++h)
+      require(window < s.length(h), where, "window (", window, ") must be smaller than the entries of KV head ", h,
+              " (", s.length(h), ")");
+  } else {
+    require(window < s.tokens, where, "window (", window, ") must be smaller than the context length (", s.tokens,
+            ")");
+  }
   s.prefix = s.tokens - window;
   const HeadsView<const Q>& obs = has_q ? in.queries : in.attention;
   const char* obs_name = has_q ? "queries" : "attention";
@@ -90,15 +164,31 @@ extend::LayerShape validate_inputs(const LayerInputs<KV, Q, W>& in, Index window
   if (has_q)
     require(in.queries.cols() == s.head_dim, where, "queries head_dim (", in.queries.cols(),
             ") must equal the keys head_dim (", s.head_dim, ")");
+  else if (in.lengths)
+    require(in.attention.cols() >= s.tokens, where, "attention columns (", in.attention.cols(),
+            ") must cover the longest head (", s.tokens, " entries)");
   else
     require(in.attention.cols() == s.tokens, where, "attention columns (", in.attention.cols(),
             ") must equal the context length (", s.tokens, ")");
   const bool has_v = in.values.heads() * in.values.rows() * in.values.cols() > 0;
-  if (has_v)
+  if (has_v && in.lengths)
+    require(in.values.heads() == s.kv_heads && in.values.rows() >= s.tokens, where, "values [", in.values.heads(),
+            ", ", in.values.rows(), ", ", in.values.cols(), "] must have the keys' KV heads (", s.kv_heads,
+            ") and hold the longest head (", s.tokens, " entries)");
+  else if (has_v)
     require(in.values.heads() == s.kv_heads && in.values.rows() == s.tokens, where, "values [", in.values.heads(), ", ",
             in.values.rows(), ", ", in.values.cols(), "] must have the keys' KV heads (", s.kv_heads, ") and tokens (",
             s.tokens, ")");
   return s;
+}
+
+/// reference_quirks reproduces the reference code, which has no ragged caches (docs/algorithms.md section 6).
+inline void require_dense_for_quirks(const extend::LayerShape& s, bool reference_quirks, const char* where) {
+  if (!reference_quirks || !s.ragged()) return;
+  Index h = 1;
+  while (s.length(h) == s.length(0)) ++h;
+  require(false, where, "reference_quirks needs every KV head to hold the same number of entries (the reference has ",
+          "no ragged caches), got ", s.length(0), " in KV head 0 and ", s.length(h), " in KV head ", h);
 }
 
 }  // namespace kvevict::detail

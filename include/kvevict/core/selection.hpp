@@ -7,13 +7,16 @@
 #include <vector>
 
 #include "kvevict/core/error.hpp"
+#include "kvevict/core/inputs.hpp"
 #include "kvevict/core/views.hpp"
 
 namespace kvevict {
 
-/// Kept token indices of one layer, per KV head, sorted ascending, in one flat array:
-///   indices()  [sum of lengths]  head h's kept tokens are indices()[offsets()[h] .. offsets()[h+1])
-///   offsets()  [kv_heads + 1]    cu_seqlens-style prefix sums, offsets()[0] == 0
+/// Kept entries of one layer, per KV head, sorted ascending, in one flat array:
+///   indices()    [sum of lengths]  head h's kept rows are indices()[offsets()[h] .. offsets()[h+1])
+///   positions()  [sum of lengths]  their original token positions (the rows themselves when the layer had none)
+///   offsets()    [kv_heads + 1]    cu_seqlens-style prefix sums, offsets()[0] == 0
+/// On a ragged layer (docs/algorithms.md section 6) rows index each head's own entries.
 class Selection {
  public:
   using index_type = std::int64_t;
@@ -33,6 +36,16 @@ class Selection {
   /// O(kv_heads * tokens): a linear scan, so indices come out sorted without sorting.
   template <class Flag>
   static Selection from_flags(const std::vector<Flag>& keep, Index kv_heads, Index tokens) {
+    extend::LayerShape shape;
+    shape.kv_heads = kv_heads;
+    shape.tokens = tokens;
+    return from_flags(keep, shape);
+  }
+  /// The same on the layer of `shape` [Hkv, L] (a ragged head's flags beyond its L_h must be 0); kept positions
+  /// are read from shape.positions.
+  template <class Flag>
+  static Selection from_flags(const std::vector<Flag>& keep, const extend::LayerShape& shape) {
+    const Index kv_heads = shape.kv_heads, tokens = shape.tokens;
     KVEVICT_ASSERT(static_cast<Index>(keep.size()) == kv_heads * tokens);
     Selection s;
     s.tokens_ = tokens;
@@ -40,16 +53,22 @@ class Selection {
     for (Index h = 0; h < kv_heads; ++h) {
       const Flag* row = keep.data() + h * tokens;
       for (Index j = 0; j < tokens; ++j)
-        if (row[j]) s.indices_.push_back(j);
+        if (row[j]) {
+          KVEVICT_ASSERT(j < shape.length(h));
+          s.indices_.push_back(j);
+          s.positions_.push_back(shape.position(h, j));
+        }
       s.offsets_[static_cast<std::size_t>(h) + 1] = static_cast<index_type>(s.indices_.size());
     }
     return s;
   }
 
   Index heads() const { return static_cast<Index>(offsets_.size()) - 1; }
-  /// The context length L the selection was made over.
+  /// The context length L the selection was made over (on a ragged layer, the longest head's entries).
   Index context_length() const { return tokens_; }
   const std::vector<index_type>& indices() const { return indices_; }
+  /// Original positions of the kept entries, parallel to indices().
+  const std::vector<index_type>& positions() const { return positions_; }
   const std::vector<index_type>& offsets() const { return offsets_; }
   /// Total kept entries over all heads (sum of lengths).
   Index total() const { return static_cast<Index>(indices_.size()); }
@@ -74,6 +93,11 @@ class Selection {
     check_head(h);
     return {indices_.data() + offsets_[idx(h)], indices_.data() + offsets_[idx(h) + 1]};
   }
+  /// Original positions of head h's kept entries, ascending.
+  HeadIndices head_positions(Index h) const {
+    check_head(h);
+    return {positions_.data() + offsets_[idx(h)], positions_.data() + offsets_[idx(h) + 1]};
+  }
   /// Whether token j of head h is kept (binary search, O(log length)).
   bool kept(Index h, Index j) const {
     const HeadIndices r = head(h);
@@ -88,16 +112,18 @@ class Selection {
     return m;
   }
 
-  /// Gathers the kept rows of `src` [kv_heads, tokens, dim] into `dst` [kv_heads, capacity, dim]:
+  /// Gathers the kept rows of `src` [kv_heads, >= tokens, dim] into `dst` [kv_heads, capacity, dim]:
   /// head h's kept rows land in dst rows [0, length(h)), in ascending token order; rows beyond are untouched.
   /// In-place compaction (dst over the same storage and strides as src) is safe: kept index k >= output row k.
+  /// Any element type: keys, values, or positions [kv_heads, capacity] as a one-column view (PositionsView's
+  /// writable form, HeadsView<std::int64_t>), so the same call compacts the positions array.
   template <class TSrc, class TDst>
   void compact(const HeadsView<TSrc>& src, const HeadsView<TDst>& dst) const {
     static_assert(!std::is_const_v<TDst>, "compact: the destination view must be writable");
     detail::require(src.heads() == heads(), "Selection::compact", "source heads (", src.heads(),
                     ") must equal the selection's KV heads (", heads(), ")");
-    detail::require(src.rows() == tokens_, "Selection::compact", "source tokens (", src.rows(),
-                    ") must equal the selection's context length (", tokens_, ")");
+    detail::require(src.rows() >= tokens_, "Selection::compact", "source rows (", src.rows(),
+                    ") must hold the selection's context length (", tokens_, ")");
     detail::require(dst.heads() == heads(), "Selection::compact", "destination heads (", dst.heads(),
                     ") must equal the selection's KV heads (", heads(), ")");
     detail::require(dst.cols() == src.cols(), "Selection::compact", "destination head_dim (", dst.cols(),
@@ -121,6 +147,7 @@ class Selection {
   }
 
   std::vector<index_type> indices_;
+  std::vector<index_type> positions_;
   std::vector<index_type> offsets_;
   Index tokens_ = 0;
 };

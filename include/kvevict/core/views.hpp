@@ -2,6 +2,7 @@
 /// Zero-copy strided views over the engine's tensors: keys, values, window queries, attention rows, W_o.
 
 #include <Eigen/Core>
+#include <cstdint>
 #include <type_traits>
 
 #include "kvevict/core/error.hpp"
@@ -88,6 +89,19 @@ KVView<T> kv_heads_major(T* data, Index kv_heads, Index tokens, Index head_dim) 
 template <class T>
 KVView<T> kv_tokens_major(T* data, Index tokens, Index kv_heads, Index head_dim) {
   return KVView<T>::rows_major(data, tokens, kv_heads, head_dim);
+}
+
+/// Original token positions of a cache's entries [kv_heads, rows] (a HeadsView with one column): entry r of head h
+/// holds the token at position *row(h, r). Strictly increasing along each head.
+using PositionsView = HeadsView<const std::int64_t>;
+
+/// Positions stored [kv_heads, capacity] (one array per head, as the keys of kv_heads_major).
+inline PositionsView positions_heads_major(const std::int64_t* data, Index kv_heads, Index capacity) {
+  return PositionsView(data, kv_heads, capacity, 1, capacity, 1);
+}
+/// Positions stored [capacity, kv_heads] (token-major, as the keys of kv_tokens_major).
+inline PositionsView positions_tokens_major(const std::int64_t* data, Index capacity, Index kv_heads) {
+  return PositionsView(data, kv_heads, capacity, 1, 1, kv_heads);
 }
 
 }  // namespace kvevict

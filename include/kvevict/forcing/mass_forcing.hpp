@@ -26,11 +26,11 @@ class MassStatistics {
         mass_(RowMatrix<S>::Zero(shape.kv_heads, shape.prefix)),
         bias_(static_cast<std::size_t>(shape.query_heads), 0.0) {}
 
-  /// rows [w, L]: the softmax rows of query head q. Writes only row q / G of p and entry q of the bias sums
+  /// rows [w, L_h]: the softmax rows of query head q. Writes only row q / G of p and entry q of the bias sums
   /// (WindowObservation::for_each_head may add different KV heads concurrently).
   void add(Index q, const RowMatrix<S>& rows) {
-    const Index P = shape_.prefix, w = shape_.window;
-    mass_.row(q / shape_.group) += rows.leftCols(P).colwise().sum();
+    const Index w = shape_.window, P = rows.cols() - w;
+    mass_.row(q / shape_.group).head(P) += rows.leftCols(P).colwise().sum();
     const Index first = quirks_ ? std::max<Index>(0, P - w) : P, last = quirks_ ? P : P + w;
     bias_[static_cast<std::size_t>(q)] = static_cast<double>(rows.middleCols(first, last - first).sum());
   }
@@ -48,8 +48,8 @@ class MassStatistics {
   /// k = min(k, cap). A negative k (only under reference_quirks, where cap = int(P (1 - cr) - w)) means "all but
   /// the last |k|" of the sorted order, as Python slicing does.
   std::vector<Index> forced_tokens(Index h, double tau, Index cap) const {
-    const Index P = shape_.prefix;
-    const auto p = mass_.row(h);
+    const Index P = shape_.prefix_of(h);
+    const auto p = mass_.row(h).head(P);
     RankedPrefix ranked(p.data(), P);
     const S total = p.sum();
     Index k = 0;

@@ -13,20 +13,35 @@
 
 namespace kvevict::detail {
 
-/// Throws kvevict::invalid_argument naming the first NaN or Inf entry of `v` ([heads, rows, cols]).
-template <class T>
-void require_finite(const HeadsView<const T>& v, const char* where, const char* name) {
+/// Throws kvevict::invalid_argument naming the first NaN or Inf entry of `v` ([heads, rows, cols]), reading only
+/// rows [0, rows_of(h)) and columns [0, cols_of(h)) of head h (the live entries of a ragged layer).
+template <class T, class Rows, class Cols>
+void require_finite(const HeadsView<const T>& v, const char* where, const char* name, Rows rows_of, Cols cols_of) {
   using A = std::conditional_t<std::is_same_v<std::remove_const_t<T>, double>, double, float>;
   for (Index h = 0; h < v.heads(); ++h) {
+    const Index rows = rows_of(h), cols = cols_of(h);
     // x * 0 is 0 for a finite x and NaN for NaN or +-Inf, so the sum is finite iff every entry is; Eigen
     // vectorises the sum (allFinite() tests one coefficient at a time, slower than the window-attention GEMM).
-    if (std::isfinite((v.head(h).template cast<A>().array() * A(0)).sum())) continue;
-    for (Index r = 0; r < v.rows(); ++r)
-      for (Index c = 0; c < v.cols(); ++c)
+    if (std::isfinite((v.head(h).topLeftCorner(rows, cols).template cast<A>().array() * A(0)).sum())) continue;
+    for (Index r = 0; r < rows; ++r)
+      for (Index c = 0; c < cols; ++c)
         if (!std::isfinite(v.row(h, r)[c]))
           throw invalid_argument(concat("kvevict::", where, ": ", name, "[", h, ", ", r, ", ", c, "] is not finite (",
                                         v.row(h, r)[c], "); the inputs contain NaN or Inf values"));
   }
+}
+/// The same over the whole view.
+template <class T>
+void require_finite(const HeadsView<const T>& v, const char* where, const char* name) {
+  require_finite(
+      v, where, name, [&](Index) { return v.rows(); }, [&](Index) { return v.cols(); });
+}
+/// The same over the live entries of a KV view of the layer of `shape`: rows [0, L_h) of head h.
+template <class T>
+void require_finite_entries(const KVView<const T>& v, const extend::LayerShape& shape, const char* where,
+                            const char* name) {
+  require_finite(
+      v, where, name, [&](Index h) { return shape.length(h); }, [&](Index) { return v.cols(); });
 }
 
 /// rows [w, L] = softmax(q_win k^T / sqrt(d)) with the causal mask inside the window; q_win [w, d], k [L, d] in S.
@@ -63,16 +78,17 @@ inline namespace KVEVICT_ABI_NAMESPACE {
 
 /// Window attention of query head q: `rows` [w, L] receives softmax(Q_win[q] K[q/G]^T / sqrt(d)) with the causal
 /// mask inside the window (row i, at absolute position L-w+i, sees keys j <= L-w+i; masked entries are 0).
+/// L is `length` (the KV head's own entries on a ragged layer, docs/algorithms.md section 6), or all the keys' rows.
 /// S is the arithmetic type (float or wider); Q and KV the storage types of the queries and the keys.
 template <class S, class Q, class KV>
 void window_attention(const HeadsView<const Q>& queries, const KVView<const KV>& keys, Index q, Index group,
-                      RowMatrix<S>& rows) {
+                      RowMatrix<S>& rows, Index length = -1) {
   static_assert(std::is_floating_point_v<S>, "window_attention: arithmetic type must be float or double");
-  const Index h = q / group;
+  const Index h = q / group, L = length < 0 ? keys.rows() : length;
   if constexpr (std::is_same_v<S, KV>) {
-    detail::softmax_window_rows<S>(detail::as_arithmetic<S>(queries.head(q)), keys.head(h), rows);
+    detail::softmax_window_rows<S>(detail::as_arithmetic<S>(queries.head(q)), keys.head(h).topRows(L), rows);
   } else {
-    const RowMatrix<S> k = keys.head(h).template cast<S>();
+    const RowMatrix<S> k = keys.head(h).topRows(L).template cast<S>();
     detail::softmax_window_rows<S>(detail::as_arithmetic<S>(queries.head(q)), k, rows);
   }
 }
@@ -95,15 +111,18 @@ class WindowObservation {
         from_queries_(in.queries.heads() * in.queries.rows() * in.queries.cols() > 0) {
     if (from_queries_) {
       detail::require_finite(queries_, where, "queries");
-      detail::require_finite(keys_, where, "keys");
-    } else {
-      detail::require_finite(attention_, where, "attention");
+      detail::require_finite_entries(keys_, shape_, where, "keys");
+    } else {  // query head q reads the columns of its KV head's entries
+      detail::require_finite(
+          attention_, where, "attention", [&](Index) { return attention_.rows(); },
+          [&](Index q) { return shape_.length(q / shape_.group); });
     }
   }
 
   const LayerShape& shape() const { return shape_; }
 
-  /// Calls f(q, rows) for every query head q; rows is [w, L] (full softmax rows, prefix then window). The G query
+  /// Calls f(q, rows) for every query head q; rows is [w, L_h] (full softmax rows over the entries of KV head
+  /// h = q / G, prefix then window; L_h = L on a dense layer). The G query
   /// heads of a KV head are visited in order, on one thread; with KVEVICT_OPENMP (core/parallel.hpp) different KV
   /// heads run concurrently, so f may only touch state of KV head q / G. Extra memory O(w L) per thread.
   template <class F>
@@ -116,7 +135,7 @@ class WindowObservation {
       RowMatrix<S>& rows = scratch.rows;
       if constexpr (!std::is_same_v<S, KV>) {
         if (from_queries_) {  // convert the KV head's keys once for its G query heads
-          scratch.keys = keys_.head(h).template cast<S>();
+          scratch.keys = keys_.head(h).topRows(shape_.length(h)).template cast<S>();
           for (Index q = h * G; q < (h + 1) * G; ++q) {
             detail::softmax_window_rows<S>(detail::as_arithmetic<S>(queries_.head(q)), scratch.keys, rows);
             f(q, static_cast<const RowMatrix<S>&>(rows));
@@ -131,12 +150,13 @@ class WindowObservation {
     });
   }
 
-  /// Rows [w, L] of query head q.
+  /// Rows [w, L_h] of query head q (h = q / G).
   void head_rows(Index q, RowMatrix<S>& rows) const {
+    const Index length = shape_.length(q / shape_.group);
     if (from_queries_) {  // the same rule as validate_inputs: a view with a zero extent is not given
-      window_attention<S, Q, KV>(queries_, keys_, q, shape_.group, rows);
+      window_attention<S, Q, KV>(queries_, keys_, q, shape_.group, rows, length);
     } else {
-      rows = detail::as_arithmetic<S>(attention_.head(q));
+      rows = detail::as_arithmetic<S>(attention_.head(q).leftCols(length));
     }
   }
 

@@ -53,10 +53,12 @@ class LayerGlobalPolicy {
     void add(const LayerInputs<KV, Q, W>& in) {
       const std::string where = policy_.name_ + "::add (layer " + std::to_string(layers_.size()) + ")";
       const extend::LayerShape shape = detail::validate_inputs(in, policy_.params_.window, where.c_str());
+      detail::require_dense_for_quirks(shape, policy_.params_.reference_quirks, where.c_str());
       extend::LayerBudget b = extend::layer_budget(shape, budget_, where.c_str());
       b.shared_across_layers = true;
       policy_.selector_.adjust_budget(b, shape, policy_.params_, where.c_str());
       auto scored = policy_.selector_.template score<S>(in, shape, policy_.params_, b, where.c_str());
+      detail::require_layout(scored.allocation, shape, where.c_str());
       if (policy_.params_.reference_quirks) {
         const double cr = detail::quirk_compression_ratio(b, where.c_str());
         detail::require(
@@ -69,6 +71,7 @@ class LayerGlobalPolicy {
       }
       layers_.push_back(std::move(scored));
       shapes_.push_back(shape);
+      shapes_.back().positions = PositionsView();  // the engine's view may not outlive add(): the map has a copy
       total_ += shape.kv_heads * static_cast<Index>(b.n_kept);
     }
 
@@ -83,7 +86,10 @@ class LayerGlobalPolicy {
       extend::KeepFlags keep;
       for (std::size_t l = 0; l < layers_.size(); ++l) {
         policy_.selector_.select(layers_[l], budgets[l], keep);
-        out.push_back(Selection::from_flags(keep, shapes_[l].kv_heads, shapes_[l].tokens));
+        extend::LayerShape shape = shapes_[l];
+        const std::vector<std::int64_t>& positions = layers_[l].allocation.position;
+        if (!positions.empty()) shape.positions = positions_heads_major(positions.data(), shape.kv_heads, shape.tokens);
+        out.push_back(Selection::from_flags(keep, shape));
       }
       return out;
     }

@@ -86,14 +86,16 @@ class Policy {
   template <class S, class KV, class Q, class W>
   Selection select_as(const LayerInputs<KV, Q, W>& in, const Budget& budget, const std::string& where) const {
     const extend::LayerShape shape = detail::validate_inputs(in, params_.window, where.c_str());
+    detail::require_dense_for_quirks(shape, params_.reference_quirks, where.c_str());
     extend::LayerBudget layer = extend::layer_budget(shape, budget, where.c_str());
     selector_.adjust_budget(layer, shape, params_, where.c_str());
     auto scored =
         selector_.template score<S>(in, shape, static_cast<const CommonParams&>(params_), layer, where.c_str());
+    detail::require_layout(scored.allocation, shape, where.c_str());
     const std::vector<Index> budgets = allocation_.allocate(scored.allocation, layer);
     extend::KeepFlags keep;
     selector_.select(scored, budgets, keep);
-    return Selection::from_flags(keep, shape.kv_heads, shape.tokens);
+    return Selection::from_flags(keep, shape);
   }
 
   static typename Allocation::Params allocation_defaults() {

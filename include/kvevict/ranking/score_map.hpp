@@ -1,40 +1,59 @@
 #pragma once
-/// The ranking every allocator and top-k works on: one (tier, score) per (KV head, token) of a layer.
+/// The ranking every allocator and top-k works on: one (tier, score) per (KV head, entry) of a layer.
 
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
 #include "kvevict/core/error.hpp"
+#include "kvevict/core/inputs.hpp"
 #include "kvevict/core/views.hpp"
 
 namespace kvevict::extend {
 
 /// Entries of a higher tier rank before every entry of a lower tier. Inside the window and forced tiers the
 /// score is ignored (set to 0), so they rank by recency: this is exactly the reference's "pad the window with the
-/// layer maximum" and "scatter the dtype maximum into the safeguard", without magic values.
+/// layer maximum" and "scatter the dtype maximum into the safeguard", without magic values. `absent` marks the
+/// padding of a ragged layer (rows beyond a head's L_h, docs/algorithms.md section 6): never ranked, never kept.
 enum class Tier : std::uint8_t {
-  scored = 0,  ///< ranked by score
-  window = 1,  ///< the observation window (kept before any scored token)
-  forced = 2   ///< forced by a safeguard or a selector's first stage (kept first)
+  absent = 0,  ///< not an entry (the padding beyond a head's L_h)
+  scored = 1,  ///< ranked by score
+  window = 2,  ///< the observation window (kept before any scored token)
+  forced = 3   ///< forced by a safeguard or a selector's first stage (kept first)
 };
 
-/// Scores and tiers [kv_heads, tokens] of one layer, row-major, flat index f = h * tokens + j.
+/// Scores and tiers [kv_heads, tokens] of one layer, row-major, flat index f = h * tokens + j (tokens: the longest
+/// head's entries). On a ragged layer the entries j >= length(h) are `absent`; `position` holds the entries'
+/// original positions when the layer has them (ties across heads compare positions, section 2.7).
 template <class S>
 struct ScoreMap {
   Index heads = 0;
   Index tokens = 0;
   std::vector<S> score;
   std::vector<Tier> tier;
+  std::vector<Index> lengths;          ///< L_h [heads] on a ragged layer; empty: every head holds `tokens`
+  std::vector<std::int64_t> position;  ///< [heads * tokens] original positions; empty: entry j is at position j
 
   ScoreMap() = default;
+  /// A dense map (every head holds n_tokens entries at positions 0 .. n_tokens - 1), all scored 0.
   ScoreMap(Index kv_heads, Index n_tokens)
       : heads(kv_heads),
         tokens(n_tokens),
         score(static_cast<std::size_t>(kv_heads * n_tokens), S(0)),
         tier(static_cast<std::size_t>(kv_heads * n_tokens), Tier::scored) {}
+  /// The map of a validated layer: [Hkv, L], every entry scored 0, padding absent, positions from the layer.
+  explicit ScoreMap(const LayerShape& shape) : ScoreMap(shape.kv_heads, shape.tokens) {
+    lengths = shape.lengths;
+    for (Index h = 0; h < heads; ++h)
+      for (Index j = length(h); j < tokens; ++j) tier[flat(h, j)] = Tier::absent;
+    if (shape.positions.heads() > 0) {
+      position.assign(score.size(), 0);
+      for (Index h = 0; h < heads; ++h)
+        for (Index j = 0; j < length(h); ++j) position[flat(h, j)] = shape.position(h, j);
+    }
+  }
 
-  /// Prefix scores [Hkv, P] followed by a window of `window` tokens in the window tier.
+  /// Prefix scores [Hkv, P] followed by a window of `window` tokens in the window tier (a dense layer).
   static ScoreMap with_window(const RowMatrix<S>& prefix_scores, Index window) {
     ScoreMap m(prefix_scores.rows(), prefix_scores.cols() + window);
     for (Index h = 0; h < m.heads; ++h) {
@@ -43,15 +62,33 @@ struct ScoreMap {
     }
     return m;
   }
+  /// The same on the layer of `shape`: head h's scores are prefix_scores(h, 0 .. P_h - 1), its window the entries
+  /// P_h .. L_h - 1.
+  static ScoreMap with_window(const RowMatrix<S>& prefix_scores, const LayerShape& shape) {
+    ScoreMap m(shape);
+    for (Index h = 0; h < m.heads; ++h) {
+      const Index P = shape.prefix_of(h);
+      for (Index j = 0; j < P; ++j) m.at(h, j) = prefix_scores(h, j);
+      for (Index j = P; j < shape.length(h); ++j) m.promote(h, j, Tier::window);
+    }
+    return m;
+  }
 
+  /// L_h, the entries of head h.
+  Index length(Index h) const { return lengths.empty() ? tokens : lengths[static_cast<std::size_t>(h)]; }
   std::size_t flat(Index h, Index j) const { return static_cast<std::size_t>(h * tokens + j); }
   S& at(Index h, Index j) { return score[flat(h, j)]; }
   S at(Index h, Index j) const { return score[flat(h, j)]; }
   Tier tier_of(Index h, Index j) const { return tier[flat(h, j)]; }
+  /// The original position of flat entry f.
+  std::int64_t position_of(std::size_t f) const {
+    return position.empty() ? static_cast<std::int64_t>(f % static_cast<std::size_t>(tokens)) : position[f];
+  }
 
   /// Moves entry (h, j) up to tier t (never down); its score no longer matters.
   void promote(Index h, Index j, Tier t) {
     const std::size_t f = flat(h, j);
+    KVEVICT_ASSERT(tier[f] != Tier::absent);
     if (t > tier[f]) {
       tier[f] = t;
       score[f] = S(0);
@@ -72,3 +109,17 @@ struct ScoreMap {
 };
 
 }  // namespace kvevict::extend
+
+namespace kvevict::detail {
+
+/// Throws unless `map` was built for the layer of `shape` (ScoreMap(shape)): its extents, ragged lengths and
+/// positions; a selector that builds its map otherwise would rank padding or break ties by rows.
+template <class S>
+void require_layout(const extend::ScoreMap<S>& map, const extend::LayerShape& shape, const char* where) {
+  require(map.heads == shape.kv_heads && map.tokens == shape.tokens && map.lengths == shape.lengths &&
+              map.position.empty() == (shape.positions.heads() == 0),
+          where, "the selector's ScoreMap must have the layer's layout [", shape.kv_heads, ", ", shape.tokens,
+          "] with its lengths and positions: build it with ScoreMap(shape) or ScoreMap::with_window(scores, shape)");
+}
+
+}  // namespace kvevict::detail

@@ -1,6 +1,7 @@
 #pragma once
 /// Stage 2.6/2.7: deterministic top-k over a ScoreMap in linear expected time (nth_element, no full sort).
-/// Order: tier descending, score descending, then the more recent token, then the lower KV head. It is a strict
+/// Order: tier descending, score descending, then the more recent token (higher original position), then the lower
+/// KV head. It is a strict
 /// total order, so the kept set never depends on the algorithm, the platform or the thread count.
 
 #include <algorithm>
@@ -27,10 +28,9 @@ struct RanksBefore {
     if (ta != tb) return ta > tb;
     const S sa = map->score[a], sb = map->score[b];
     if (sa != sb) return sa > sb;
-    const Index L = map->tokens;
-    const Index ja = static_cast<Index>(a) % L, jb = static_cast<Index>(b) % L;
-    if (ja != jb) return ja > jb;
-    return a < b;  // same token: the lower head
+    const std::int64_t pa = map->position_of(a), pb = map->position_of(b);
+    if (pa != pb) return pa > pb;
+    return a < b;  // same position: the lower head
   }
 };
 
@@ -53,8 +53,8 @@ template <class S>
 void top_k_of_head(const ScoreMap<S>& map, Index h, Index k, KeepFlags& keep) {
   KVEVICT_ASSERT(k >= 0 && keep.size() == map.score.size());
   std::vector<std::size_t> cand;
-  cand.reserve(static_cast<std::size_t>(map.tokens));
-  for (Index j = 0; j < map.tokens; ++j)
+  cand.reserve(static_cast<std::size_t>(map.length(h)));
+  for (Index j = 0; j < map.length(h); ++j)
     if (!keep[map.flat(h, j)]) cand.push_back(map.flat(h, j));
   KVEVICT_ASSERT(static_cast<std::size_t>(k) <= cand.size());
   detail::partition_top_k(map, cand, static_cast<std::size_t>(k));
@@ -62,13 +62,13 @@ void top_k_of_head(const ScoreMap<S>& map, Index h, Index k, KeepFlags& keep) {
 }
 
 /// Top `k` entries over the whole layer [kv_heads * tokens]; returns how many each head got [kv_heads].
-/// Only entries accepted by `eligible(flat index)` compete.
+/// Only entries accepted by `eligible(flat index)` compete (absent entries never do).
 template <class S, class Pred>
 std::vector<Index> top_k_counts(const ScoreMap<S>& map, Index k, Pred eligible) {
   std::vector<std::size_t> cand;
   cand.reserve(map.score.size());
   for (std::size_t f = 0; f < map.score.size(); ++f)
-    if (eligible(f)) cand.push_back(f);
+    if (map.tier[f] != Tier::absent && eligible(f)) cand.push_back(f);
   KVEVICT_ASSERT(k >= 0 && static_cast<std::size_t>(k) <= cand.size());
   detail::partition_top_k(map, cand, static_cast<std::size_t>(k));
   std::vector<Index> counts(static_cast<std::size_t>(map.heads), 0);

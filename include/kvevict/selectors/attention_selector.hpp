@@ -34,7 +34,7 @@ struct AttentionSelector {
   Layer<S> score(const In& in, const extend::LayerShape& shape, const CommonParams& common,
                  const extend::LayerBudget& /*budget*/, const char* where) const {
     const auto obs = extend::observe<S>(in, shape, where);
-    Layer<S> layer{extend::scores_with_window(extend::mean_scores(obs, common.kernel, common.pooling), shape.window,
+    Layer<S> layer{extend::scores_with_window(extend::mean_scores(obs, common.kernel, common.pooling), shape,
                                               common.reference_quirks)};
     layer.allocation.require_finite(where);
     return layer;

@@ -51,18 +51,17 @@ struct CriticalSelector {
     extend::validate_value_inputs(in, shape, params_.value_norm, where);
     const auto obs = extend::observe<S>(in, shape, where);
     const RowMatrix<S> s = extend::mean_scores(obs, common.kernel, common.pooling);
-    Layer<S> layer{extend::scores_with_window(s, shape.window, common.reference_quirks),
-                   extend::ScoreMap<S>(shape.kv_heads, shape.tokens)};
+    Layer<S> layer{extend::scores_with_window(s, shape, common.reference_quirks), extend::ScoreMap<S>(shape)};
     layer.allocation.require_finite(where);
 
     OutputGram<S> scratch;
     const OutputGram<S>* gram = params_.value_norm == ValueNorm::l2 ? &extend::output_gram<S>(in, scratch) : nullptr;
-    const RowMatrix<S> n = extend::value_norms<S>(in.values, in.w_o, shape.group, params_.value_norm, gram);
+    const RowMatrix<S> n = extend::value_norms<S>(in.values, in.w_o, shape, params_.value_norm, gram);
     const S eps = static_cast<S>(params_.eps);
-    const S layer_max = s.maxCoeff();
+    const S layer_max = extend::max_prefix_score(s, shape);
     for (Index h = 0; h < shape.kv_heads; ++h) {
-      for (Index j = 0; j < shape.prefix; ++j) layer.critical.at(h, j) = (s(h, j) + eps) * n(h, j);
-      for (Index j = shape.prefix; j < shape.tokens; ++j) {
+      for (Index j = 0; j < shape.prefix_of(h); ++j) layer.critical.at(h, j) = (s(h, j) + eps) * n(h, j);
+      for (Index j = shape.prefix_of(h); j < shape.length(h); ++j) {
         if (common.reference_quirks)
           layer.critical.at(h, j) = (layer_max + eps) * n(h, j);
         else

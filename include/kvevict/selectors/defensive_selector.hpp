@@ -69,14 +69,11 @@ struct DefensiveSelector {
     if (params_.value_term) {
       OutputGram<S> scratch;
       const OutputGram<S>* gram = params_.value_norm == ValueNorm::l2 ? &extend::output_gram<S>(in, scratch) : nullptr;
-      const RowMatrix<S> n = extend::value_norms<S>(in.values, in.w_o, shape.group, params_.value_norm, gram);
-      for (Index j = 0; j < shape.prefix; ++j) {
-        const S total = n.col(j).sum();
-        for (Index h = 0; h < shape.kv_heads; ++h) scores(h, j) *= total > S(0) ? n(h, j) / total : S(0);
-      }
+      weight_by_normalised_values(scores, extend::value_norms<S>(in.values, in.w_o, shape, params_.value_norm, gram),
+                                  shape);
     }
 
-    Layer<S> layer{extend::ScoreMap<S>::with_window(scores, shape.window)};
+    Layer<S> layer{extend::ScoreMap<S>::with_window(scores, shape)};
     layer.allocation.require_finite(where);
     std::vector<std::vector<Index>> forced(static_cast<std::size_t>(shape.kv_heads));
     if (params_.mass_forcing) {
@@ -96,10 +93,10 @@ struct DefensiveSelector {
     } else {
       // Reference: forced tokens and the window carry the layer maximum of s', then one top-k in the section 2.7
       // order (a scored token that ties the maximum and is more recent displaces a forced one when they all tie).
-      const S layer_max = scores.size() > 0 ? scores.maxCoeff() : S(0);
+      const S layer_max = extend::max_prefix_score(scores, shape);
       for (Index h = 0; h < shape.kv_heads; ++h) {
         for (Index j : forced[static_cast<std::size_t>(h)]) layer.allocation.at(h, j) = layer_max;
-        for (Index j = shape.prefix; j < shape.tokens; ++j) {
+        for (Index j = shape.prefix_of(h); j < shape.length(h); ++j) {
           layer.allocation.tier[layer.allocation.flat(h, j)] = extend::Tier::scored;
           layer.allocation.at(h, j) = layer_max;
         }
@@ -114,6 +111,38 @@ struct DefensiveSelector {
   }
 
  private:
+  /// scores(h, j) *= N[h][j] / (sum of N over the KV heads whose prefix holds the same position), 0 when that sum
+  /// is 0 (docs/algorithms.md sections 2.4 and 6; on a dense layer the sum is the column's, in head order).
+  template <class S>
+  static void weight_by_normalised_values(RowMatrix<S>& scores, const RowMatrix<S>& n,
+                                          const extend::LayerShape& shape) {
+    const auto weight = [&](Index h, Index j, S total) { scores(h, j) *= total > S(0) ? n(h, j) / total : S(0); };
+    if (!shape.ragged() && shape.positions.heads() == 0) {  // every head holds positions 0 .. L-1
+      for (Index j = 0; j < shape.prefix; ++j) {
+        S total = 0;
+        for (Index h = 0; h < shape.kv_heads; ++h) total += n(h, j);
+        for (Index h = 0; h < shape.kv_heads; ++h) weight(h, j, total);
+      }
+      return;
+    }
+    struct Entry {
+      std::int64_t position;
+      Index head, row;
+    };
+    std::vector<Entry> entries;  // every prefix entry, grouped by position, heads in order inside a group
+    for (Index h = 0; h < shape.kv_heads; ++h)
+      for (Index j = 0; j < shape.prefix_of(h); ++j) entries.push_back({shape.position(h, j), h, j});
+    std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+      return a.position != b.position ? a.position < b.position : a.head < b.head;
+    });
+    for (std::size_t first = 0, last = 0; first < entries.size(); first = last) {
+      S total = 0;
+      for (last = first; last < entries.size() && entries[last].position == entries[first].position; ++last)
+        total += n(entries[last].head, entries[last].row);
+      for (std::size_t e = first; e < last; ++e) weight(entries[e].head, entries[e].row, total);
+    }
+  }
+
   Params params_;
 };
 

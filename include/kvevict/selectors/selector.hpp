@@ -50,16 +50,31 @@ struct CommonParams {
 
 namespace kvevict::extend {
 
-/// Prefix scores [Hkv, P] followed by the window. By default the window is its own tier, above every prefix token.
-/// Under reference_quirks it carries the maximum of the whole layer's prefix scores, as the reference pads it:
-/// the same ranking inside a layer (exact ties go to the more recent token), but it can lose a layer-global top-k.
+/// The largest of the prefix scores [Hkv, P] of the layer of `shape` (head h's first P_h), 0 for an empty prefix.
 template <class S>
-ScoreMap<S> scores_with_window(const RowMatrix<S>& prefix_scores, Index window, bool reference_quirks) {
-  ScoreMap<S> m = ScoreMap<S>::with_window(prefix_scores, window);
+S max_prefix_score(const RowMatrix<S>& prefix_scores, const LayerShape& shape) {
+  S m = S(0);
+  bool any = false;
+  for (Index h = 0; h < shape.kv_heads; ++h)
+    for (Index j = 0; j < shape.prefix_of(h); ++j)
+      if (!any || prefix_scores(h, j) > m) {
+        m = prefix_scores(h, j);
+        any = true;
+      }
+  return m;
+}
+
+/// Prefix scores [Hkv, P] followed by the window, on the layer of `shape` (head h: its P_h scores, then its
+/// window entries). By default the window is its own tier, above every prefix token. Under reference_quirks it
+/// carries the maximum of the whole layer's prefix scores, as the reference pads it: the same ranking inside a layer
+/// (exact ties go to the more recent token), but it can lose a layer-global top-k.
+template <class S>
+ScoreMap<S> scores_with_window(const RowMatrix<S>& prefix_scores, const LayerShape& shape, bool reference_quirks) {
+  ScoreMap<S> m = ScoreMap<S>::with_window(prefix_scores, shape);
   if (reference_quirks) {
-    const S layer_max = prefix_scores.size() > 0 ? prefix_scores.maxCoeff() : S(0);
+    const S layer_max = max_prefix_score(prefix_scores, shape);
     for (Index h = 0; h < m.heads; ++h)
-      for (Index j = prefix_scores.cols(); j < m.tokens; ++j) {
+      for (Index j = shape.prefix_of(h); j < shape.length(h); ++j) {
         m.tier[m.flat(h, j)] = Tier::scored;
         m.at(h, j) = layer_max;
       }

@@ -34,13 +34,16 @@ void accumulate_l1_norms(const VMat& v, const WMat& w, S* out, RowMatrix<S>& pro
 namespace kvevict::extend {
 inline namespace KVEVICT_ABI_NAMESPACE {
 
-/// N [Hkv, L]: N[h][j] = mean over the G query heads q of group h of || V[h][j, :] (W_o^q)^T ||_p.
+/// N [Hkv, L]: N[h][j] = mean over the G query heads q of group h of || V[h][j, :] (W_o^q)^T ||_p, for the
+/// entries j < length_of(h) of each head (the rest of the row is 0; L = the longest head).
 /// `gram` is used (and required) for ValueNorm::l2; it may be null for l1.
-template <class S, class KV, class W>
+template <class S, class KV, class W, class Lengths>
 RowMatrix<S> value_norms(const KVView<const KV>& values, const HeadsView<const W>& w_o, Index group, ValueNorm norm,
-                         const OutputGram<S>* gram = nullptr) {
-  const Index Hkv = values.heads(), L = values.rows(), d = values.cols();
-  RowMatrix<S> n = RowMatrix<S>::Zero(Hkv, L);
+                         const OutputGram<S>* gram, Lengths length_of) {
+  const Index Hkv = values.heads(), d = values.cols();
+  Index longest = 0;
+  for (Index h = 0; h < Hkv; ++h) longest = std::max(longest, length_of(h));
+  RowMatrix<S> n = RowMatrix<S>::Zero(Hkv, longest);
   KVEVICT_ASSERT(norm == ValueNorm::l1 || gram != nullptr);
   struct Scratch {
     RowMatrix<S> v, w, grams,
@@ -49,7 +52,8 @@ RowMatrix<S> value_norms(const KVView<const KV>& values, const HeadsView<const W
   // KV heads in parallel with KVEVICT_OPENMP; each writes row h of n only.
   detail::parallel_for_with<Scratch>(Hkv, [&](Index h, Scratch& scratch) {
     RowMatrix<S>& v = scratch.v;
-    v = values.head(h).template cast<S>();
+    const Index L = length_of(h);
+    v = values.head(h).topRows(L).template cast<S>();
     if (norm == ValueNorm::l1) {
       for (Index g = 0; g < group; ++g) {
         if constexpr (std::is_same_v<std::remove_const_t<W>, S>) {
@@ -85,6 +89,20 @@ RowMatrix<S> value_norms(const KVView<const KV>& values, const HeadsView<const W
   return n;
 }
 
+/// N [Hkv, L] over every row of the values.
+template <class S, class KV, class W>
+RowMatrix<S> value_norms(const KVView<const KV>& values, const HeadsView<const W>& w_o, Index group, ValueNorm norm,
+                         const OutputGram<S>* gram = nullptr) {
+  return value_norms<S>(values, w_o, group, norm, gram, [&](Index) { return values.rows(); });
+}
+
+/// N [Hkv, L] of the layer of `shape`: head h's own L_h entries (docs/algorithms.md section 6), zeros beyond.
+template <class S, class KV, class W>
+RowMatrix<S> value_norms(const KVView<const KV>& values, const HeadsView<const W>& w_o, const LayerShape& shape,
+                         ValueNorm norm, const OutputGram<S>* gram = nullptr) {
+  return value_norms<S>(values, w_o, shape.group, norm, gram, [&](Index h) { return shape.length(h); });
+}
+
 /// Checks that the value-aware inputs are there, agree with the layer and are finite: values [Hkv, L, d] and
 /// W_o [H, D, d] (as output_projection() views W_o [D, H * d]). A NaN must not vanish: the DefensiveKV value term
 /// would turn it into a zero weight, an L2 norm's clamp at 0 could swallow it, and a window token's norm is not
@@ -98,7 +116,7 @@ void validate_value_inputs(const LayerInputs<KV, Q, W>& in, const LayerShape& s,
   detail::require(in.w_o.heads() == s.query_heads && in.w_o.cols() == in.values.cols(), where,
                   "w_o must have H * head_dim = ", s.query_heads, " * ", in.values.cols(), " columns, got ",
                   in.w_o.heads(), " * ", in.w_o.cols());
-  detail::require_finite(in.values, where, "values");
+  detail::require_finite_entries(in.values, s, where, "values");
   if (in.w_o_gram) {
     const auto& g = *in.w_o_gram;
     detail::require(g.heads() == s.query_heads, where, "w_o_gram must hold one Gram matrix per query head (",
