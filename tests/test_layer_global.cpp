@@ -442,8 +442,15 @@ TEST_CASE("LayerGlobalPolicy errors: no layer, bad layer shapes, bad params", "[
   kvevict::LayerDefensiveKV::Params p;
   p.window = 4;
   const kvevict::LayerDefensiveKV ok(p);
+  // A token budget is a model total (a layer may hold less than its share, docs/algorithms.md section 7): refused
+  // when the model total exceeds every layer's entries together.
   auto p3 = ok.plan<float>(Budget::tokens(21));
-  REQUIRE_THROWS_MATCHES(p3.add(st.in), kvevict::invalid_argument, MessageContains("n_kept must be in [1, 20]"));
+  p3.add(st.in);
+  REQUIRE_THROWS_MATCHES(p3.apply(), kvevict::invalid_argument,
+                         MessageContains("kvevict::LayerDefensiveKV::apply: the model budget (42 entries: the sum over "
+                                         "layers of kv_heads * n_kept) exceeds what the layers hold (40)"));
+  auto p4 = ok.plan<float>(Budget::keep_ratio(0.01));
+  REQUIRE_THROWS_MATCHES(p4.add(st.in), kvevict::invalid_argument, MessageContains("n_kept must be in [1, 20]"));
   kvevict::LayerGlobalPolicy<kvevict::CriticalSelector>::Params cp;
   cp.first_stage_ratio = 1.5;
   REQUIRE_THROWS_MATCHES(

@@ -4,7 +4,9 @@
 /// The engine API: inputs and views (LayerInputs, HeadsView, KVView, output_projection, OutputGram), budgets
 /// (Budget), the presets (SnapKV, AdaKV, CriticalKV, CriticalSnapKV, DefensiveKV, LayerDefensiveKV,
 /// AdaKVDefensive, StreamingLLM), compositions (Policy<Base, Selector>, LayerGlobalPolicy<Selector>), the
-/// catalogue (catalogue::visit, Knobs, select_layers), the result (Selection) and errors (invalid_argument).
+/// catalogue (catalogue::visit, Knobs, select_layers), the result (Selection) and errors (invalid_argument);
+/// ragged caches with original positions (LayerInputs::lengths/positions) and eviction while the cache grows
+/// (CacheBook, evict_over_budget).
 /// Writing a new selector or allocation: <kvevict/extend.hpp> and docs/extending.md.
 /// Semantics of every stage: docs/algorithms.md.
 
@@ -23,3 +25,6 @@
 #include "kvevict/policy/layer_global_policy.hpp"
 #include "kvevict/policy/policy.hpp"
 #include "kvevict/policy/presets.hpp"
+
+#include "kvevict/stream/cache_book.hpp"
+#include "kvevict/stream/evict.hpp"

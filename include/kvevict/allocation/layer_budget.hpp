@@ -23,10 +23,19 @@ struct LayerBudget {
 };
 
 /// The budget of one layer of `shape`: n_kept from `budget` (throws unless 1 <= n_kept <= L; on a ragged layer,
-/// resolved against the mean entries per head, docs/algorithms.md section 6), total Hkv * n_kept.
-inline LayerBudget layer_budget(const LayerShape& shape, const Budget& budget, const char* where = "select") {
+/// resolved against the mean entries per head, docs/algorithms.md section 6), total Hkv * n_kept. With
+/// `shared_across_layers` (a layer-global plan) a token budget is not bounded by the layer: the plan checks that the
+/// model total fits the model's entries, so a layer may hold less than its share (section 7).
+inline LayerBudget layer_budget(const LayerShape& shape, const Budget& budget, const char* where = "select",
+                                bool shared_across_layers = false) {
   LayerBudget b;
-  b.n_kept = shape.ragged() ? budget.n_kept(shape.entries(), shape.kv_heads, where) : budget.n_kept(shape.tokens, where);
+  b.shared_across_layers = shared_across_layers;
+  if (shared_across_layers && budget.kind() == Budget::Kind::tokens)
+    b.n_kept = static_cast<std::int64_t>(budget.value());
+  else if (shape.ragged())
+    b.n_kept = budget.n_kept(shape.entries(), shape.kv_heads, where);
+  else
+    b.n_kept = budget.n_kept(shape.tokens, where);
   b.total = shape.kv_heads * static_cast<Index>(b.n_kept);
   b.window = shape.window;
   if (budget.kind() == Budget::Kind::compression_ratio) b.compression_ratio = budget.value();

@@ -54,8 +54,7 @@ class LayerGlobalPolicy {
       const std::string where = policy_.name_ + "::add (layer " + std::to_string(layers_.size()) + ")";
       const extend::LayerShape shape = detail::validate_inputs(in, policy_.params_.window, where.c_str());
       detail::require_dense_for_quirks(shape, policy_.params_.reference_quirks, where.c_str());
-      extend::LayerBudget b = extend::layer_budget(shape, budget_, where.c_str());
-      b.shared_across_layers = true;
+      extend::LayerBudget b = extend::layer_budget(shape, budget_, where.c_str(), true);
       policy_.selector_.adjust_budget(b, shape, policy_.params_, where.c_str());
       auto scored = policy_.selector_.template score<S>(in, shape, policy_.params_, b, where.c_str());
       detail::require_layout(scored.allocation, shape, where.c_str());
@@ -73,11 +72,16 @@ class LayerGlobalPolicy {
       shapes_.push_back(shape);
       shapes_.back().positions = PositionsView();  // the engine's view may not outlive add(): the map has a copy
       total_ += shape.kv_heads * static_cast<Index>(b.n_kept);
+      entries_ += shape.entries();
     }
 
     /// Allocates across layers and returns one Selection per added layer.
     std::vector<Selection> apply() const {
-      detail::require(!layers_.empty(), (policy_.name_ + "::apply").c_str(), "no layer was added");
+      const std::string where = policy_.name_ + "::apply";
+      detail::require(!layers_.empty(), where.c_str(), "no layer was added");
+      detail::require(total_ <= entries_, where.c_str(), "the model budget (", total_,
+                      " entries: the sum over layers of kv_heads * n_kept) exceeds what the layers hold (", entries_,
+                      ")");
       std::vector<const extend::ScoreMap<S>*> maps;
       for (const auto& l : layers_) maps.push_back(&l.allocation);
       const Index total = policy_.params_.reference_quirks ? quirk_total_ : total_;
@@ -99,7 +103,7 @@ class LayerGlobalPolicy {
     Budget budget_;
     std::vector<typename SelectorType::template Layer<S>> layers_;
     std::vector<extend::LayerShape> shapes_;
-    Index total_ = 0, quirk_total_ = 0;
+    Index total_ = 0, quirk_total_ = 0, entries_ = 0;
   };
 
   LayerGlobalPolicy() : LayerGlobalPolicy(Params{}) {}

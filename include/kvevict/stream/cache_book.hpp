@@ -1,0 +1,172 @@
+#pragma once
+/// Eviction while the cache grows (docs/algorithms.md section 7): the bookkeeping of a ragged cache, per-head lengths
+/// and original positions, and nothing else. The engine owns keys and values and runs the forward pass.
+///
+///   kvevict::CacheBook book(n_layers, kv_heads, capacity);
+///   for each step of c >= w tokens:
+///     book.append(c);                                  // positions next_position() .. + c - 1, every layer
+///     ... forward pass: write each layer's new K/V rows at [length(h) - c, length(h)) of head h ...
+///     kvevict::evict_over_budget(policy, book, n, [&](Index l) { return inputs_of(l); },   // views + queries
+///                                [&](Index l, const kvevict::Selection& s) { book.layer(l).apply(s, k(l), v(l)); });
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "kvevict/core/budget.hpp"
+#include "kvevict/core/error.hpp"
+#include "kvevict/core/inputs.hpp"
+#include "kvevict/core/selection.hpp"
+#include "kvevict/core/views.hpp"
+
+namespace kvevict {
+
+/// One layer's bookkeeping: lengths [Hkv] and original positions [Hkv, capacity] of the entries each KV head holds
+/// in the engine's storage (keys and values [Hkv, capacity, d], either layout). Rows stay in ascending position
+/// order: appends go after each head's last entry, eviction compacts in place.
+class LayerBook {
+ public:
+  LayerBook() = default;
+  LayerBook(Index kv_heads, Index capacity)
+      : kv_heads_(kv_heads),
+        capacity_(capacity),
+        lengths_(static_cast<std::size_t>(kv_heads), 0),
+        positions_(static_cast<std::size_t>(kv_heads * capacity), 0) {
+    detail::require(kv_heads >= 1 && capacity >= 1, "LayerBook", "needs kv_heads >= 1 and capacity >= 1, got ",
+                    kv_heads, " and ", capacity);
+  }
+
+  Index kv_heads() const { return kv_heads_; }
+  Index capacity() const { return capacity_; }
+  /// L_h [Hkv], what LayerInputs::lengths points to.
+  const std::vector<std::int64_t>& lengths() const { return lengths_; }
+  Index length(Index h) const { return static_cast<Index>(lengths_[head(h)]); }
+  /// Sum of L_h.
+  Index entries() const { return static_cast<Index>(std::accumulate(lengths_.begin(), lengths_.end(), 0LL)); }
+  /// Original positions [Hkv, capacity] (entries beyond L_h are stale), what LayerInputs::positions views.
+  PositionsView positions() const { return positions_heads_major(positions_.data(), kv_heads_, capacity_); }
+  std::int64_t position(Index h, Index j) const { return positions_[head(h) * static_cast<std::size_t>(capacity_) + static_cast<std::size_t>(j)]; }
+
+  /// Records n tokens at positions first .. first + n - 1 appended to every head (rows [L_h, L_h + n)). Throws
+  /// kvevict::invalid_argument, changing nothing, if a head would exceed the capacity or the positions would not
+  /// increase.
+  void append(std::int64_t first_position, Index n) {
+    detail::require(n >= 1, "LayerBook::append", "needs n >= 1 tokens, got ", n);
+    for (Index h = 0; h < kv_heads_; ++h) {
+      detail::require(length(h) + n <= capacity_, "LayerBook::append", "KV head ", h, " would hold ", length(h) + n,
+                      " entries, over the capacity of ", capacity_);
+      detail::require(length(h) == 0 || position(h, length(h) - 1) < first_position, "LayerBook::append",
+                      "positions must increase: KV head ", h, " ends at position ", position(h, length(h) - 1),
+                      ", appending at ", first_position);
+    }
+    for (Index h = 0; h < kv_heads_; ++h) {
+      std::int64_t* row = positions_.data() + head(h) * static_cast<std::size_t>(capacity_);
+      for (Index i = 0; i < n; ++i) row[length(h) + i] = first_position + i;
+      lengths_[head(h)] += n;
+    }
+  }
+
+  /// `in` with this layer's lengths and positions attached (keys and values must view the capacity rows).
+  template <class KV, class Q, class W>
+  LayerInputs<KV, Q, W> describe(LayerInputs<KV, Q, W> in) const {
+    in.lengths = lengths_.data();
+    in.positions = positions();
+    return in;
+  }
+
+  /// Keeps what `selection` chose (made over this layer's entries): compacts every view in `rows` in place (the
+  /// engine's keys, values, or any per-entry array [Hkv, capacity, .]) and the positions, and sets L_h to the kept
+  /// lengths. Throws kvevict::invalid_argument, changing nothing, if the selection does not fit this layer.
+  template <class... T>
+  void apply(const Selection& selection, const HeadsView<T>&... rows) {
+    detail::require(selection.heads() == kv_heads_, "LayerBook::apply", "the selection has ", selection.heads(),
+                    " KV heads, the layer ", kv_heads_);
+    for (Index h = 0; h < kv_heads_; ++h) {
+      const auto kept = selection.head(h);
+      detail::require(kept.size() == 0 || kept[kept.size() - 1] < length(h), "LayerBook::apply", "the selection keeps row ",
+                      kept.size() ? kept[kept.size() - 1] : 0, " of KV head ", h, ", which holds ", length(h),
+                      " entries");
+    }
+    (detail::require(rows.heads() == kv_heads_ && rows.rows() >= capacity_, "LayerBook::apply", "each view must be [",
+                     kv_heads_, ", >= ", capacity_, ", .], got [", rows.heads(), ", ", rows.rows(), ", ", rows.cols(),
+                     "]"),
+     ...);
+    (selection.compact(rows, rows), ...);
+    const HeadsView<std::int64_t> pos(positions_.data(), kv_heads_, capacity_, 1, capacity_, 1);
+    selection.compact(pos, pos);
+    for (Index h = 0; h < kv_heads_; ++h) lengths_[head(h)] = selection.length(h);
+  }
+
+  /// Empties every head (the capacity is kept).
+  void clear() { std::fill(lengths_.begin(), lengths_.end(), 0); }
+
+ private:
+  std::size_t head(Index h) const {
+    detail::require(h >= 0 && h < kv_heads_, "LayerBook", "KV head must be in [0, ", kv_heads_, "), got ", h);
+    return static_cast<std::size_t>(h);
+  }
+
+  Index kv_heads_ = 0, capacity_ = 0;
+  std::vector<std::int64_t> lengths_;    // [Hkv]
+  std::vector<std::int64_t> positions_;  // [Hkv, capacity]
+};
+
+/// A model's bookkeeping: one LayerBook per layer, the next token position, and the tokens appended since the last
+/// eviction (the step).
+class CacheBook {
+ public:
+  CacheBook() = default;
+  CacheBook(Index layers, Index kv_heads, Index capacity) {
+    detail::require(layers >= 1, "CacheBook", "needs layers >= 1, got ", layers);
+    layers_.assign(static_cast<std::size_t>(layers), LayerBook(kv_heads, capacity));
+  }
+
+  Index layers() const { return static_cast<Index>(layers_.size()); }
+  LayerBook& layer(Index l) { return layers_[checked(l)]; }
+  const LayerBook& layer(Index l) const { return layers_[checked(l)]; }
+  /// Position of the next token (tokens appended so far, evicted or not).
+  std::int64_t next_position() const { return next_position_; }
+  /// Tokens appended since the last evict_over_budget() (the current step).
+  Index step() const { return step_; }
+  /// Entries held by the whole model.
+  Index entries() const {
+    Index n = 0;
+    for (const LayerBook& l : layers_) n += l.entries();
+    return n;
+  }
+
+  /// Records n tokens appended to every layer and head at next_position() .. + n - 1.
+  void append(Index n) {
+    detail::require(n >= 1, "CacheBook::append", "needs n >= 1 tokens, got ", n);
+    for (const LayerBook& l : layers_)  // check every layer first: nothing changes on error
+      for (Index h = 0; h < l.kv_heads(); ++h)
+        detail::require(l.length(h) + n <= l.capacity(), "CacheBook::append", "layer ", &l - layers_.data(),
+                        " KV head ", h, " would hold ", l.length(h) + n, " entries, over the capacity of ",
+                        l.capacity());
+    for (LayerBook& l : layers_) l.append(next_position_, n);
+    next_position_ += n;
+    step_ += n;
+  }
+  /// Forgets every token.
+  void clear() {
+    for (LayerBook& l : layers_) l.clear();
+    next_position_ = 0;
+    step_ = 0;
+  }
+  /// Marks the end of a step (evict_over_budget() calls it).
+  void end_step() { step_ = 0; }
+
+ private:
+  std::size_t checked(Index l) const {
+    detail::require(l >= 0 && l < layers(), "CacheBook", "layer must be in [0, ", layers(), "), got ", l);
+    return static_cast<std::size_t>(l);
+  }
+
+  std::vector<LayerBook> layers_;
+  std::int64_t next_position_ = 0;
+  Index step_ = 0;
+};
+
+}  // namespace kvevict

@@ -1,0 +1,76 @@
+#pragma once
+/// The rule of docs/algorithms.md section 7, "evict now": after each step, every layer holding more than its budget
+/// is evicted to it (a layer-global policy: all layers, when the model holds more than its budget).
+
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kvevict/core/budget.hpp"
+#include "kvevict/core/error.hpp"
+#include "kvevict/core/selection.hpp"
+#include "kvevict/policy/contracts.hpp"
+#include "kvevict/selectors/selector.hpp"
+#include "kvevict/stream/cache_book.hpp"
+
+namespace kvevict {
+
+namespace detail {
+/// The observation window of a scored policy; 0 for a positional one (StreamingLLM).
+template <class P>
+Index window_of(const P& policy) {
+  if constexpr (std::is_base_of_v<CommonParams, typename P::Params>)
+    return policy.params().window;
+  else
+    return 0;
+}
+}  // namespace detail
+
+/// Ends the current step of `book` (the tokens appended since the last call) under a budget of `n` tokens per KV
+/// head on average: every layer holding more than Hkv * n entries is evicted to Budget::tokens(n) with `policy`
+/// (for a layer-global policy: every layer, when the model holds more than the sum of Hkv * n). Returns how many
+/// layers were evicted.
+///   inputs_of(l) -> LayerInputs of layer l: keys and values viewing the engine's capacity rows, the step's last w
+///                   queries (or attention rows over each head's entries), w_o; the book adds lengths and positions.
+///   apply(l, selection) compacts the engine's storage, normally book.layer(l).apply(selection, keys, values).
+/// Every selection is made before any is applied: on an error (kvevict::invalid_argument, e.g. a step shorter than
+/// the window) nothing is evicted. S is the arithmetic type.
+template <class S = float, class P, class Inputs, class Apply>
+Index evict_over_budget(const P& policy, CacheBook& book, Index n, Inputs&& inputs_of, Apply&& apply) {
+  const Budget budget = Budget::tokens(n);
+  const std::string where = policy.name() + "::evict_over_budget";
+  std::vector<Index> due;
+  for (Index l = 0; l < book.layers(); ++l) {
+    const LayerBook& layer = book.layer(l);
+    if constexpr (detail::is_layer_global<P>::value)
+      due.push_back(l);  // all or none, decided on the model total below
+    else if (layer.entries() > layer.kv_heads() * n)
+      due.push_back(l);
+  }
+  if constexpr (detail::is_layer_global<P>::value) {
+    Index total = 0;
+    for (Index l = 0; l < book.layers(); ++l) total += book.layer(l).kv_heads() * n;
+    if (book.entries() <= total) due.clear();
+  }
+  if (due.empty()) {
+    book.end_step();
+    return 0;
+  }
+  const Index window = detail::window_of(policy);
+  detail::require(book.step() >= window, where.c_str(), "the step (", book.step(),
+                  " tokens appended since the last eviction) must be at least the window (", window,
+                  "): the window is the step's last w queries");
+  std::vector<Selection> selections;
+  if constexpr (detail::is_layer_global<P>::value) {
+    auto plan = policy.template plan<S>(budget);
+    for (Index l : due) plan.add(book.layer(l).describe(inputs_of(l)));
+    selections = plan.apply();
+  } else {
+    for (Index l : due) selections.push_back(policy.template select<S>(book.layer(l).describe(inputs_of(l)), budget, l));
+  }
+  for (std::size_t i = 0; i < due.size(); ++i) apply(due[i], selections[i]);
+  book.end_step();
+  return static_cast<Index>(due.size());
+}
+
+}  // namespace kvevict

@@ -1,0 +1,230 @@
+// Eviction while the cache grows (docs/algorithms.md section 7): CacheBook / evict_over_budget over a synthetic
+// engine whose "forward pass" appends fixed keys, values and queries per position. One step of the whole prompt is
+// the one-shot selection bit for bit; smaller steps keep every layer within the budget plus one step; errors leave
+// the cache as it was.
+#include <catch2/catch.hpp>
+
+#include <kvevict/kvevict.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "support/matchers.hpp"
+#include "support/random_inputs.hpp"
+
+using kvevict::Budget;
+using kvevict::Index;
+using kvevict::Selection;
+using kvevict_test::MessageContains;
+using kvevict_test::Rng;
+
+namespace {
+
+/// What a model computes per (layer, position), fixed in advance: keys and values [Hkv, T, d], queries [H, T, d].
+struct Source {
+  int NL = 0, H = 0, Hkv = 0, d = 0, D = 8, T = 0;
+  std::vector<std::vector<double>> k, v, q, w_o;  // per layer
+};
+
+Source random_source(Rng& rng, int NL, int H, int Hkv, int d, int T) {
+  Source s{NL, H, Hkv, d, 8, T, {}, {}, {}, {}};
+  for (int l = 0; l < NL; ++l) {
+    s.k.push_back(kvevict_test::normal_vector(static_cast<std::size_t>(Hkv * T * d), rng));
+    s.v.push_back(kvevict_test::normal_vector(static_cast<std::size_t>(Hkv * T * d), rng));
+    s.q.push_back(kvevict_test::normal_vector(static_cast<std::size_t>(H * T * d), rng, 1.5));
+    s.w_o.push_back(kvevict_test::normal_vector(static_cast<std::size_t>(s.D * H * d), rng, 0.5));
+  }
+  return s;
+}
+
+/// An engine over a Source: keys and values [Hkv, capacity, d] per layer, bookkept by a CacheBook.
+struct Engine {
+  const Source* src;
+  Index capacity, w;
+  kvevict::CacheBook book;
+  std::vector<std::vector<double>> k, v, q_window;  // per layer; q_window [H, w, d]
+
+  Engine(const Source& s, Index cap, Index window)
+      : src(&s), capacity(cap), w(window), book(s.NL, s.Hkv, cap) {
+    for (int l = 0; l < s.NL; ++l) {
+      k.emplace_back(static_cast<std::size_t>(s.Hkv * cap * s.d), 0.0);
+      v.emplace_back(static_cast<std::size_t>(s.Hkv * cap * s.d), 0.0);
+      q_window.emplace_back(static_cast<std::size_t>(s.H * window * s.d), 0.0);
+    }
+  }
+  /// The forward pass of c tokens: append their rows after each head's entries, remember the last w queries.
+  void step(Index c) {
+    const std::int64_t first = book.next_position();
+    book.append(c);
+    const int d = src->d;
+    for (int l = 0; l < src->NL; ++l) {
+      for (int h = 0; h < src->Hkv; ++h) {
+        const Index len = book.layer(l).length(h);
+        for (Index i = 0; i < c; ++i)
+          for (int x = 0; x < d; ++x) {
+            const auto from = static_cast<std::size_t>((h * src->T + first + i) * d + x);
+            const auto to = static_cast<std::size_t>((h * capacity + len - c + i) * d + x);
+            k[static_cast<std::size_t>(l)][to] = src->k[static_cast<std::size_t>(l)][from];
+            v[static_cast<std::size_t>(l)][to] = src->v[static_cast<std::size_t>(l)][from];
+          }
+      }
+      const std::int64_t last = first + c;  // window queries: positions last - w .. last - 1
+      for (int qh = 0; qh < src->H; ++qh)
+        for (Index i = 0; i < w; ++i)
+          for (int x = 0; x < d; ++x)
+            q_window[static_cast<std::size_t>(l)][static_cast<std::size_t>((qh * w + i) * d + x)] =
+                src->q[static_cast<std::size_t>(l)][static_cast<std::size_t>((qh * src->T + last - w + i) * d + x)];
+    }
+  }
+  kvevict::LayerInputs<double> inputs(Index l) const {
+    const auto L = static_cast<std::size_t>(l);
+    kvevict::LayerInputs<double> in;
+    in.queries = kvevict::HeadsView<const double>::heads_major(q_window[L].data(), src->H, w, src->d);
+    in.keys = kvevict::kv_heads_major<const double>(k[L].data(), src->Hkv, capacity, src->d);
+    in.values = kvevict::kv_heads_major<const double>(v[L].data(), src->Hkv, capacity, src->d);
+    in.w_o = kvevict::output_projection<const double>(src->w_o[L].data(), src->D, src->H, src->d);
+    return in;
+  }
+  template <class P>
+  Index evict(const P& policy, Index n) {
+    return kvevict::evict_over_budget<double>(
+        policy, book, n, [&](Index l) { return inputs(l); },
+        [&](Index l, const Selection& s) {
+          const auto L = static_cast<std::size_t>(l);
+          book.layer(l).apply(s, kvevict::kv_heads_major<double>(k[L].data(), src->Hkv, capacity, src->d),
+                              kvevict::kv_heads_major<double>(v[L].data(), src->Hkv, capacity, src->d));
+        });
+  }
+  /// Positions held by (layer, head).
+  std::vector<std::int64_t> held(Index l, Index h) const {
+    std::vector<std::int64_t> p;
+    for (Index j = 0; j < book.layer(l).length(h); ++j) p.push_back(book.layer(l).position(h, j));
+    return p;
+  }
+};
+
+/// The one-shot inputs of the first T tokens of `s`: dense layers, queries of positions T - w .. T - 1.
+struct Dense {
+  std::vector<std::vector<double>> q;
+  std::vector<kvevict::LayerInputs<double>> layers;
+};
+Dense dense_inputs(const Source& s, Index w) {
+  Dense out;
+  for (int l = 0; l < s.NL; ++l) {
+    std::vector<double> q;
+    for (int qh = 0; qh < s.H; ++qh)
+      for (Index i = 0; i < w; ++i)
+        for (int x = 0; x < s.d; ++x)
+          q.push_back(s.q[static_cast<std::size_t>(l)][static_cast<std::size_t>((qh * s.T + s.T - w + i) * s.d + x)]);
+    out.q.push_back(q);
+  }
+  for (int l = 0; l < s.NL; ++l) {
+    const auto L = static_cast<std::size_t>(l);
+    kvevict::LayerInputs<double> in;
+    in.queries = kvevict::HeadsView<const double>::heads_major(out.q[L].data(), s.H, w, s.d);
+    in.keys = kvevict::kv_heads_major<const double>(s.k[L].data(), s.Hkv, s.T, s.d);
+    in.values = kvevict::kv_heads_major<const double>(s.v[L].data(), s.Hkv, s.T, s.d);
+    in.w_o = kvevict::output_projection<const double>(s.w_o[L].data(), s.D, s.H, s.d);
+    out.layers.push_back(in);
+  }
+  return out;
+}
+
+kvevict::Knobs window_knob(Index w) {
+  kvevict::Knobs k;
+  k.window = w;
+  return k;
+}
+
+}  // namespace
+
+TEST_CASE("stream: one step of the whole prompt is the one-shot selection, bit for bit", "[stream]") {
+  Rng rng(701);
+  for (int trial = 0; trial < 6; ++trial) {
+    const int Hkv = 1 + trial % 3, G = 1 + trial % 2, w = 2 + trial % 3, T = 40 + 9 * trial;
+    const Source s = random_source(rng, 3, Hkv * G, Hkv, 8, T);
+    const Dense dense = dense_inputs(s, w);
+    for (const Index n : {Index{w}, Index{T / 3}, Index{T - 1}}) {
+      kvevict::catalogue::for_each(kvevict::catalogue::entries(), [&](const auto& e) {
+        INFO(e.name << " trial " << trial << " n " << n);
+        const auto policy = e.make(window_knob(w));
+        const std::vector<Selection> once = kvevict::select_layers<double>(policy, dense.layers, Budget::tokens(n));
+        Engine eng(s, T + 3, w);
+        eng.step(T);
+        CHECK(eng.evict(policy, n) == s.NL);
+        for (int l = 0; l < s.NL; ++l)
+          for (int h = 0; h < Hkv; ++h) {
+            const auto kept = once[static_cast<std::size_t>(l)].head(h);
+            CHECK(eng.held(l, h) == std::vector<std::int64_t>(kept.begin(), kept.end()));
+          }
+      });
+    }
+  }
+}
+
+TEST_CASE("stream: chunked prefill and capped decoding stay within the budget plus one step", "[stream]") {
+  Rng rng(702);
+  for (int trial = 0; trial < 4; ++trial) {
+    const int Hkv = 2 + trial % 2, G = 1 + trial % 2, w = 2 + trial, T = 150;
+    const Source s = random_source(rng, 2, Hkv * G, Hkv, 8, T);
+    const Index n = 3 * w + trial;
+    kvevict::catalogue::for_each(kvevict::catalogue::entries(), [&](const auto& e) {
+      INFO(e.name << " trial " << trial);
+      const auto policy = e.make(window_knob(w));
+      const bool model_budget = kvevict::budget_scope<typename std::decay_t<decltype(e)>::policy_type>() ==
+                                kvevict::BudgetScope::model;
+      Engine eng(s, T, w);
+      std::uniform_int_distribution<Index> step_size(w, 4 * w);
+      Index evictions = 0;
+      while (eng.book.next_position() < T) {
+        const Index c = std::min<Index>(step_size(rng), T - eng.book.next_position());
+        if (c < w) break;
+        eng.step(c);
+        for (int l = 0; l < s.NL; ++l) CHECK(eng.book.layer(l).entries() <= (model_budget ? s.NL : 1) * Hkv * (n + c));
+        evictions += eng.evict(policy, n);
+        if (model_budget) CHECK(eng.book.entries() <= s.NL * Hkv * n);
+        for (int l = 0; l < s.NL; ++l) {
+          if (!model_budget) CHECK(eng.book.layer(l).entries() <= Hkv * n);
+          for (int h = 0; h < Hkv; ++h) {
+            const std::vector<std::int64_t> p = eng.held(l, h);
+            CHECK(std::is_sorted(p.begin(), p.end()));
+            CHECK(std::adjacent_find(p.begin(), p.end()) == p.end());
+            // The window (the step's last w positions) is always kept (n >= w).
+            for (Index i = 1; i <= w; ++i)
+              CHECK(std::find(p.begin(), p.end(), eng.book.next_position() - i) != p.end());
+          }
+        }
+      }
+      CHECK(evictions > 0);
+    });
+  }
+}
+
+TEST_CASE("stream: a step shorter than the window, or over the capacity, changes nothing", "[stream][errors]") {
+  Rng rng(703);
+  const Source s = random_source(rng, 2, 2, 2, 4, 60);
+  kvevict::SnapKV::Params p;
+  p.window = 4;
+  const kvevict::SnapKV snap(p);
+  Engine eng(s, 40, 4);
+  eng.step(20);
+  CHECK(eng.evict(snap, 8) == 2);
+  eng.step(3);
+  const std::vector<std::int64_t> before = eng.held(1, 1);
+  REQUIRE_THROWS_MATCHES(eng.evict(snap, 8), kvevict::invalid_argument,
+                         MessageContains("kvevict::SnapKV::evict_over_budget: the step (3 tokens appended since the "
+                                         "last eviction) must be at least the window (4)"));
+  CHECK(eng.held(1, 1) == before);
+  CHECK(eng.book.layer(1).entries() == 2 * 11);
+  REQUIRE_THROWS_MATCHES(eng.book.append(30), kvevict::invalid_argument,
+                         MessageContains("CacheBook::append: layer 0 KV head 0 would hold 41 entries, over the "
+                                         "capacity of 40"));
+  CHECK(eng.book.next_position() == 23);
+  CHECK(eng.held(1, 1) == before);
+  eng.step(1);  // 4 tokens since the last eviction: now it may evict
+  CHECK(eng.evict(snap, 8) == 2);
+  CHECK(eng.book.layer(1).entries() == 16);
+  REQUIRE_THROWS_MATCHES(kvevict::LayerBook(0, 4), kvevict::invalid_argument, MessageContains("kv_heads >= 1"));
+}
