@@ -48,12 +48,16 @@ double ms_since(clock_type::time_point t0) {
 /// engine, so per-layer policies and whole-model ones (which plan over all layers before evicting) fit the same
 /// slot, and value-aware ones read W_o through engine.eviction_inputs().
 using Compressor = std::function<std::vector<kvevict::Selection>(const Engine&, const kvevict::Budget&)>;
+/// Ends a step of a stream (--mode chunked|capped): evicts every layer over n rows per KV head (Engine's
+/// evict_over_budget, docs/algorithms.md section 7), adding the policy's time to *select_ms.
+using StreamEvictor = std::function<void(Engine&, Index n, double* select_ms)>;
 
 struct PolicyEntry {
   std::string name;
   Compressor compress;                                      // empty: the full cache, no eviction
   kvevict::BudgetScope scope = kvevict::BudgetScope::head;  // checked after every compression
   bool ablation = false;                                    // run only when named in --policies or with --ablations
+  StreamEvictor stream = {};                                // the same policy while the cache grows
 };
 
 /// The catalogue's policy `base` with `knobs` applied, under `name`.
@@ -64,6 +68,11 @@ PolicyEntry entry(const std::string& name, const std::string& base, const kvevic
     out.scope = e.scope;
     out.compress = [policy = e.make(knobs)](const Engine& engine, const kvevict::Budget& budget) {
       return kvevict::select_layers(policy, engine.eviction_inputs(), budget);
+    };
+    out.stream = [policy = e.make(knobs)](Engine& engine, Index n, double* select_ms) {
+      tinycode::EvictionStats stats;
+      engine.evict_over_budget(policy, n, &stats);
+      *select_ms += stats.select_ms;
     };
   });
   if (!found) throw std::logic_error("kvevict-demo: no catalogue policy '" + base + "'");
@@ -106,6 +115,8 @@ struct Options {
   std::string json, svg, replot;
   bool check = false, ablations = false;
   bool stepwise = false;
+  demo::Mode mode = demo::Mode::oneshot;
+  Index chunk = 0;  // --chunk C; 0: the mode's default (256 chunked, 64 capped)
   unsigned threads = std::max(1u, std::thread::hardware_concurrency());
 };
 
@@ -113,7 +124,7 @@ void usage(std::FILE* out) {
   std::fprintf(out,
                "usage: kvevict-demo [--docs N] [--passkeys M] [--keep R[,R...]] [--policies NAME[,NAME...]]\n"
                "                    [--json FILE] [--svg FILE] [--replot FILE] [--check] [--ablations]\n"
-               "                    [--model DIR] [--threads N] [--stepwise]\n"
+               "                    [--model DIR] [--threads N] [--stepwise] [--mode M] [--chunk C]\n"
                "  --docs N        continuation loss on the first N of the 64 eval docs (default %d)\n"
                "  --passkeys M    passkey retrieval on the first M of the 192 records (default %d)\n"
                "  --keep LIST     keep ratios (default 0.2,0.1,0.05): n_kept = floor(keep * context length)\n"
@@ -130,6 +141,12 @@ void usage(std::FILE* out) {
                "  --model DIR     model directory (default: the vendored models/tinycode)\n"
                "  --threads N     docs and passkey records run in parallel on N threads (default: all cores)\n"
                "  --stepwise      run the continuation one decoding step at a time (slower, same numbers)\n"
+               "  --mode M        oneshot (default): prefill the context, evict once, continue;\n"
+               "                  chunked: prefill the context in chunks of C, evicting to n_kept after each, then\n"
+               "                  continue without eviction; capped: stream the whole document (context and\n"
+               "                  continuation; passkeys: context, question, answer) in steps of C under n_kept,\n"
+               "                  evicting after every step. A last step shorter than the window joins the one before\n"
+               "  --chunk C       the step of chunked / capped (default 256 / 64; at least the window, 32)\n"
                "  --docs 64 --passkeys 192 is the full protocol of MODEL.md.\n");
 }
 
@@ -190,6 +207,11 @@ Options parse(int argc, char** argv) {
       const int t = integer();
       if (t < 1) throw std::invalid_argument("--threads must be >= 1");
       o.threads = static_cast<unsigned>(t);
+    } else if (a == "--mode") {
+      o.mode = demo::parse_mode(value());
+    } else if (a == "--chunk") {
+      o.chunk = integer();
+      if (o.chunk < 32) throw std::invalid_argument("--chunk must be >= 32 (the window)");
     } else if (a == "--stepwise") {
       o.stepwise = true;
     } else {
@@ -197,6 +219,8 @@ Options parse(int argc, char** argv) {
     }
   }
   if (o.docs < 0 || o.passkeys < 0) throw std::invalid_argument("--docs and --passkeys must be >= 0");
+  if (o.chunk == 0) o.chunk = o.mode == demo::Mode::capped ? 64 : o.mode == demo::Mode::chunked ? 256 : 0;
+  if (o.mode == demo::Mode::oneshot && o.chunk != 0) throw std::invalid_argument("--chunk needs --mode chunked|capped");
   for (const auto& name : o.policies) {
     const auto& all = all_policies();
     if (std::none_of(all.begin(), all.end(), [&](const PolicyEntry& p) { return name == p.name; }))
@@ -272,6 +296,57 @@ Outcome continue_with(const RunConfig& run, const Engine& prefilled, const tinyc
   return out;
 }
 
+/// `tokens` in steps of `chunk` (a last step shorter than the window joins the one before).
+std::vector<std::pair<std::size_t, std::size_t>> steps_of(std::size_t size, Index chunk, Index window) {
+  std::vector<std::pair<std::size_t, std::size_t>> steps;  // [first, last)
+  const auto c = static_cast<std::size_t>(chunk);
+  for (std::size_t at = 0; at < size; at += c) steps.emplace_back(at, std::min(size, at + c));
+  if (steps.size() > 1 && steps.back().second - steps.back().first < static_cast<std::size_t>(window)) {
+    steps[steps.size() - 2].second = steps.back().second;
+    steps.pop_back();
+  }
+  return steps;
+}
+
+/// Runs `tokens` on `engine` in steps, ending each with the policy's streaming eviction to n (none for the full
+/// cache); returns the logits of every token [tokens, vocab].
+Matrix stream(Engine& engine, const RunConfig& run, const tinycode::eval::Tokens& tokens, Index n, Index chunk,
+              double* select_ms) {
+  Matrix logits(static_cast<Index>(tokens.size()), engine.model().config.vocab);
+  for (const auto& [first, last] : steps_of(tokens.size(), chunk, engine.window())) {
+    logits.middleRows(static_cast<Index>(first), static_cast<Index>(last - first)) =
+        engine.extend(tokens.data() + first, static_cast<Index>(last - first));
+    if (!run.full()) run.policy->stream(engine, n, select_ms);
+  }
+  return logits;
+}
+
+/// The budget of the streaming modes: n = int(1536 * keep) tokens per KV head.
+Index stream_budget(const RunConfig& run) {
+  return static_cast<Index>(kvevict::Budget::keep_ratio(run.keep).n_kept(
+      static_cast<Index>(tinycode::eval::ContinuationTask::context_len)));
+}
+
+/// A fresh engine for one configuration of the streaming modes: `context` prefilled in chunks (chunked: evicting
+/// after each, then `after` without eviction) or `context` and `after` streamed together (capped). Returns the
+/// logits of `context` followed by `after`.
+Matrix run_streaming(const tinycode::Model& model, const Options& opt, const RunConfig& run,
+                     const tinycode::eval::Tokens& context, const tinycode::eval::Tokens& after, Outcome& out) {
+  Engine engine(model);
+  const Index n = stream_budget(run);
+  Matrix logits(static_cast<Index>(context.size() + after.size()), model.config.vocab);
+  if (opt.mode == demo::Mode::capped) {
+    tinycode::eval::Tokens all = context;
+    all.insert(all.end(), after.begin(), after.end());
+    logits = stream(engine, run, all, n, opt.chunk, &out.select_ms);
+  } else {
+    logits.topRows(static_cast<Index>(context.size())) = stream(engine, run, context, n, opt.chunk, &out.select_ms);
+    logits.bottomRows(static_cast<Index>(after.size())) = engine.extend(after);
+  }
+  out.kept = engine.kept_lengths();
+  return logits;
+}
+
 /// Continuation loss of one doc under every configuration.
 struct DocResult {
   double prefill_ms = 0;
@@ -280,14 +355,26 @@ struct DocResult {
 };
 
 DocResult run_doc(const tinycode::Model& model, const tinycode::eval::Tokens& doc, const std::vector<RunConfig>& runs,
-                  bool stepwise) {
+                  const Options& opt) {
   const tinycode::eval::ContinuationTask task(doc);
   DocResult r;
+  const auto after = task.continuation_inputs();
+  if (opt.mode != demo::Mode::oneshot) {
+    const auto context_len = static_cast<Index>(task.context.size());
+    for (const RunConfig& run : runs) {
+      Outcome o;
+      const Matrix logits = run_streaming(model, opt, run, task.context, after, o);
+      r.loss.push_back(task.loss(logits.topRows(context_len), logits.bottomRows(logits.rows() - context_len)));
+      r.select_ms.push_back(o.select_ms);
+      r.kept.push_back(std::move(o.kept));
+    }
+    return r;
+  }
+  const bool stepwise = opt.stepwise;
   Engine prefilled(model);
   const auto t0 = clock_type::now();
   const Matrix context_logits = prefilled.extend(task.context);  // full causal attention over 1536 bytes
   r.prefill_ms = ms_since(t0);
-  const auto after = task.continuation_inputs();
   for (const RunConfig& run : runs) {
     Outcome o = continue_with(run, prefilled, after, stepwise);
     r.loss.push_back(task.loss(context_logits, o.logits));
@@ -299,12 +386,22 @@ DocResult run_doc(const tinycode::Model& model, const tinycode::eval::Tokens& do
 
 /// Passkey retrieval of one record under every configuration: solved flags [configurations].
 std::vector<char> run_passkey(const tinycode::Model& model, const tinycode::eval::PasskeyRecord& record,
-                              const std::vector<RunConfig>& runs, bool stepwise) {
+                              const std::vector<RunConfig>& runs, const Options& opt) {
   const tinycode::eval::PasskeyTask task(record);
+  std::vector<char> solved;
+  if (opt.mode != demo::Mode::oneshot) {
+    const auto after = task.after_inputs();
+    for (const RunConfig& run : runs) {
+      Outcome o;
+      const Matrix logits = run_streaming(model, opt, run, task.context, after, o);
+      solved.push_back(task.solved(logits.bottomRows(static_cast<Index>(after.size()))));
+    }
+    return solved;
+  }
+  const bool stepwise = opt.stepwise;
   Engine prefilled(model);
   prefilled.extend(task.context);
   const auto after = task.after_inputs();
-  std::vector<char> solved;
   for (const RunConfig& run : runs)
     solved.push_back(task.solved(continue_with(run, prefilled, after, stepwise).logits));
   return solved;
@@ -377,8 +474,8 @@ int main(int argc, char** argv) {
         for (double k : opt.keeps) runs.push_back({&p, k});
     }
 
-    std::printf("kvevict-demo: tinycode (%s), %zu (policy, keep) configurations, %u threads\n",
-                opt.model.string().c_str(), runs.size(), opt.threads);
+    std::printf("kvevict-demo: tinycode (%s), %zu (policy, keep) configurations, %u threads, mode %s\n",
+                opt.model.string().c_str(), runs.size(), opt.threads, demo::describe_mode(opt.mode, opt.chunk).c_str());
     std::printf("continuation loss: docs 0..%zu (%zu of %zu; context 1536 bytes, loss over bytes 1536..2047)\n",
                 n_docs ? n_docs - 1 : 0, n_docs, docs.size());
     std::printf("passkey retrieval: records 0..%zu (%zu of %zu; context = the ~1.8 KB before the question)%s\n",
@@ -392,9 +489,9 @@ int main(int argc, char** argv) {
     std::mutex print_mutex;
     parallel_for(n_docs + n_keys, opt.threads, [&](std::size_t t) {
       if (t < n_docs)
-        doc_results[t] = run_doc(model, docs[t], runs, opt.stepwise);
+        doc_results[t] = run_doc(model, docs[t], runs, opt);
       else
-        key_results[t - n_docs] = run_passkey(model, passkeys[t - n_docs], runs, opt.stepwise);
+        key_results[t - n_docs] = run_passkey(model, passkeys[t - n_docs], runs, opt);
       const std::lock_guard<std::mutex> lock(print_mutex);
       std::fprintf(stderr, "\r  %zu/%zu docs + passkeys (%.0f s)", ++done, n_docs + n_keys, ms_since(t_start) / 1000.0);
     });
@@ -409,6 +506,8 @@ int main(int argc, char** argv) {
     for (std::size_t c = 0; c < runs.size(); ++c) {
       demo::Record r;
       r.policy = runs[c].policy->name;
+      r.mode = opt.mode;
+      r.chunk = static_cast<long>(opt.chunk);
       r.keep = runs[c].keep;
       r.n_kept = static_cast<long>(kvevict::Budget::keep_ratio(r.keep).n_kept(context_len));
       r.docs = static_cast<long>(n_docs);

@@ -16,9 +16,28 @@
 
 namespace demo {
 
+/// How the cache is filled and evicted (--mode): once after the prefill, after every prefill chunk, or after
+/// every step of the whole stream (docs/algorithms.md section 7).
+enum class Mode { oneshot, chunked, capped };
+
+inline const char* to_string(Mode m) {
+  return m == Mode::oneshot ? "oneshot" : m == Mode::chunked ? "chunked" : "capped";
+}
+inline Mode parse_mode(const std::string& text) {
+  for (Mode m : {Mode::oneshot, Mode::chunked, Mode::capped})
+    if (text == to_string(m)) return m;
+  throw std::invalid_argument("--mode must be oneshot, chunked or capped, got '" + text + "'");
+}
+/// "oneshot", "chunked C=256", "capped C=64".
+inline std::string describe_mode(Mode m, long chunk) {
+  return m == Mode::oneshot ? std::string(to_string(m)) : std::string(to_string(m)) + " C=" + std::to_string(chunk);
+}
+
 /// One (policy, keep) configuration's results, averaged over the docs (loss) or summed over the records (passkeys).
 struct Record {
   std::string policy;  // the kvevict-select policy name; "full" for the full cache
+  Mode mode = Mode::oneshot;
+  long chunk = 0;      // the step of chunked / capped; 0 for oneshot
   double keep = 1;     // keep ratio; 1 for the full cache
   long n_kept = 0;     // floor(keep * context length)
   long docs = 0;
@@ -35,6 +54,8 @@ struct Record {
 
 inline nlohmann::json to_json(const Record& r) {
   return {{"policy", r.policy},
+          {"mode", to_string(r.mode)},
+          {"chunk", r.chunk},
           {"keep", r.keep},
           {"n_kept", r.n_kept},
           {"docs", r.docs},
@@ -51,6 +72,8 @@ inline nlohmann::json to_json(const Record& r) {
 inline Record from_json(const nlohmann::json& j) {
   Record r;
   r.policy = j.at("policy").get<std::string>();
+  r.mode = parse_mode(j.value("mode", std::string("oneshot")));  // files written before --mode are oneshot
+  r.chunk = j.value("chunk", 0L);
   r.keep = j.at("keep").get<double>();
   r.n_kept = j.at("n_kept").get<long>();
   r.docs = j.at("docs").get<long>();
@@ -98,6 +121,9 @@ inline std::string percent(double keep) {
 }
 
 inline void print_table(std::FILE* out, const std::vector<Record>& records) {
+  if (!records.empty() && records.front().mode != Mode::oneshot)
+    std::fprintf(out, "mode %s: select ms is the policy's time over the whole stream (all evictions, all layers)\n",
+                 describe_mode(records.front().mode, records.front().chunk).c_str());
   std::fprintf(out, "%-17s %5s %6s %8s %8s %8s %8s %9s %10s %7s  %s\n", "policy", "keep", "n_kept", "loss", "vs full",
                "ident", "assert", "select ms", "prefill ms", "sel/pf", "kept/head mean [min, max]");
   for (const Record& r : records) {
@@ -106,9 +132,13 @@ inline void print_table(std::FILE* out, const std::vector<Record>& records) {
     std::snprintf(asrt, sizeof asrt, "%d/%d", r.assert_solved, r.assert_total);
     std::snprintf(vs, sizeof vs, "%+.2f%%", r.loss_increase_pct);
     std::snprintf(kept, sizeof kept, "%.1f [%ld, %ld]", r.kept_mean, r.kept_min, r.kept_max);
-    std::fprintf(out, "%-17s %5s %6ld %8.4f %8s %8s %8s %9.2f %10.1f %6.2f%%  %s\n", r.policy.c_str(),
-                 percent(r.keep).c_str(), r.n_kept, r.loss, vs, ident, asrt, r.select_ms, r.prefill_ms,
-                 r.prefill_ms > 0 ? r.select_ms / r.prefill_ms * 100.0 : 0.0, kept);
+    char prefill[32] = "-", share[32] = "-";  // no shared prefill in the streaming modes
+    if (r.prefill_ms > 0) {
+      std::snprintf(prefill, sizeof prefill, "%.1f", r.prefill_ms);
+      std::snprintf(share, sizeof share, "%.2f%%", r.select_ms / r.prefill_ms * 100.0);
+    }
+    std::fprintf(out, "%-17s %5s %6ld %8.4f %8s %8s %8s %9.2f %10s %7s  %s\n", r.policy.c_str(),
+                 percent(r.keep).c_str(), r.n_kept, r.loss, vs, ident, asrt, r.select_ms, prefill, share, kept);
   }
 }
 

@@ -15,7 +15,9 @@
 ///
 /// Eviction: extend() remembers, per layer, the post-RoPE queries of the last `window` positions [H, w, d].
 /// eviction_inputs(layer) hands them to kvevict together with the layer's keys and values as views over the cache
-/// storage (no copy); evict(layer, selection) compacts the cache in place with Selection::compact().
+/// storage (no copy) and each head's length and positions (a ragged cache after an eviction); evict(layer,
+/// selection) compacts the cache in place. Eviction while the cache grows (chunked prefill, decoding under a cap):
+/// call evict_over_budget(policy, n) after each extend() of c >= window tokens (docs/algorithms.md section 7).
 
 #include <Eigen/Core>
 
@@ -93,6 +95,7 @@ class Engine {
                                     std::to_string(c.vocab) + ")");
       x.row(i) = model_->embed.row(tokens[i]);
     }
+    cache_.append(n);  // every (layer, KV head) gets rows for positions next_position_ .. + n - 1
     for (Index l = 0; l < c.n_layer; ++l) layer_forward(l, x);
     next_position_ += n;
     window_filled_ = std::min(window_, window_filled_ + n);
@@ -103,10 +106,10 @@ class Engine {
   /// One decoding step: logits [vocab] of the token after `token`.
   RowVector decode(Token token) { return extend(&token, 1); }
 
-  /// What a kvevict policy reads for `layer`: queries [H, w, d] (post-RoPE queries of the last w positions) and
-  /// keys / values [Hkv, L, d] viewing this engine's cache (no copy). Valid until the next extend() or evict().
-  /// Needs an uncompressed layer holding at least w positions. (Value-aware selectors also read the layer's W_o:
-  /// model().layers[layer].wo, [d_model, H * d] in PyTorch Linear layout.)
+  /// What a kvevict policy reads for `layer`: queries [H, w, d] (post-RoPE queries of the last w positions), keys /
+  /// values [Hkv, capacity, d] viewing this engine's cache (no copy) with each head's length and positions, and
+  /// W_o (model().layers[layer].wo, [d_model, H * d] in PyTorch Linear layout, for value-aware selectors). Valid
+  /// until the next extend() or evict(). Needs at least w positions run.
   kvevict::LayerInputs<float> eviction_inputs(Index layer) const {
     const Config& c = model_->config;
     if (layer < 0 || layer >= c.n_layer)
@@ -121,7 +124,7 @@ class Engine {
     in.values = cache_.value_view(layer);
     const Matrix& wo = model_->layers[static_cast<std::size_t>(layer)].wo;  // W_o [d_model, n_head * head_dim]
     in.w_o = kvevict::output_projection<const float>(wo.data(), c.d_model, c.n_head, c.head_dim);
-    return in;
+    return cache_.book().layer(layer).describe(in);
   }
   /// eviction_inputs() of every layer, for policies that plan over the whole model before evicting.
   std::vector<kvevict::LayerInputs<float>> eviction_inputs() const {
@@ -157,6 +160,21 @@ class Engine {
     }
     stats.kept = kept_lengths();
     return stats;
+  }
+
+  /// Ends a step of the stream (the tokens run since the last call, >= window): evicts every layer holding more
+  /// than n rows per KV head on average with `policy` (all layers together for a layer-global one, when the model
+  /// is over), with kvevict::evict_over_budget. Returns how many layers were evicted; adds the policy's time to
+  /// stats->select_ms when given.
+  template <class Policy>
+  Index evict_over_budget(const Policy& policy, Index n, EvictionStats* stats = nullptr) {
+    using clock = std::chrono::steady_clock;
+    const auto t0 = clock::now();
+    const Index evicted = kvevict::evict_over_budget(
+        policy, cache_.book(), n, [&](Index l) { return eviction_inputs(l); },
+        [&](Index l, const kvevict::Selection& s) { evict(l, s); });
+    if (stats) stats->select_ms += std::chrono::duration<double, std::milli>(clock::now() - t0).count();
+    return evicted;
   }
 
   /// Rows held per (layer, KV head), [n_layer * n_kv_head].
@@ -227,8 +245,7 @@ class Engine {
     apply_rope(q, c.n_head, next_position_);
     apply_rope(k, c.n_kv_head, next_position_);
     remember_window_queries(l, q);
-    for (Index kh = 0; kh < c.n_kv_head; ++kh)
-      cache_.append(l, kh, k.middleCols(kh * d, d), v.middleCols(kh * d, d), next_position_);
+    for (Index kh = 0; kh < c.n_kv_head; ++kh) cache_.write_new(l, kh, k.middleCols(kh * d, d), v.middleCols(kh * d, d));
 
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     Matrix attn(n, c.n_head * d);

@@ -160,7 +160,10 @@ TEST_CASE("eviction policies on doc 0 at keep 10%", "[engine]") {
     const auto in = d.prefilled.eviction_inputs(0);
     CHECK(in.keys.data() == d.prefilled.cache().keys(0, 0).data());
     CHECK(in.values.data() == d.prefilled.cache().values(0, 0).data());
-    CHECK(in.keys.rows() == 1536);
+    CHECK(in.keys.rows() == 2048);  // the capacity; each head holds 1536 entries at positions 0 .. 1535
+    CHECK(in.lengths[0] == 1536);
+    CHECK(in.lengths[1] == 1536);
+    CHECK(*in.positions.row(1, 1535) == 1535);
     CHECK(in.queries.heads() == 8);
     CHECK(in.queries.rows() == 32);
   }
@@ -182,4 +185,42 @@ TEST_CASE("eviction policies on doc 0 at keep 10%", "[engine]") {
   SECTION("snapkv") { run(kvevict::SnapKV{}, true); }
   SECTION("adakv") { run(kvevict::AdaKV{}, false); }
   SECTION("streamingllm") { run(kvevict::StreamingLLM{}, true); }
+}
+
+TEST_CASE("streaming eviction on doc 0: one step is one shot; small steps stay within budget + step", "[engine]") {
+  const Doc0& d = doc0();
+  const tinycode::Index n = 153;  // int(0.1 * 1536)
+  const auto same_cache = [](const tinycode::Engine& a, const tinycode::Engine& b) {
+    for (tinycode::Index l = 0; l < 10; ++l)
+      for (tinycode::Index h = 0; h < 2; ++h) {
+        if (a.cache().length(l, h) != b.cache().length(l, h)) return false;
+        for (tinycode::Index r = 0; r < a.cache().length(l, h); ++r)
+          if (a.cache().position(l, h, r) != b.cache().position(l, h, r)) return false;
+      }
+    return true;
+  };
+  const auto check = [&](const auto& policy) {
+    // The whole context as one step, evicted to n tokens per head: the one-shot compression, bit for bit.
+    tinycode::Engine once = d.prefilled;
+    once.evict(kvevict::select_layers(policy, once.eviction_inputs(), kvevict::Budget::tokens(n)));
+    tinycode::Engine stream = d.prefilled;
+    CHECK(stream.evict_over_budget(policy, n) == 10);
+    CHECK(same_cache(once, stream));
+    // Capped decoding: the continuation in steps of 64 with eviction after each; memory <= budget + one step.
+    const auto after = d.task.continuation_inputs();
+    for (std::size_t at = 0; at + 64 <= after.size(); at += 64) {
+      stream.extend(after.data() + at, 64);
+      CHECK(stream.cache().total_length() <= 10 * 2 * (n + 64));
+      stream.evict_over_budget(policy, n);
+      CHECK(stream.cache().total_length() <= 10 * 2 * n);
+      for (tinycode::Index l = 0; l < 10; ++l)
+        for (tinycode::Index h = 0; h < 2; ++h)  // the window (the step's last 32 tokens) is kept
+          CHECK(stream.cache().position(l, h, stream.cache().length(l, h) - 1) == stream.next_position() - 1);
+    }
+  };
+  SECTION("snapkv") { check(kvevict::SnapKV{}); }
+  SECTION("adakv") { check(kvevict::AdaKV{}); }
+  SECTION("defensivekv") { check(kvevict::DefensiveKV{}); }
+  SECTION("layer-defensivekv") { check(kvevict::LayerDefensiveKV{}); }
+  SECTION("streamingllm") { check(kvevict::StreamingLLM{}); }
 }
