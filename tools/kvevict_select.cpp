@@ -7,8 +7,14 @@
 //   layers.{i}.keys [Hkv, L, d], layers.{i}.values [Hkv, L, d] (optional for attention-only policies),
 //   layers.{i}.w_o [D, H*d] (value-aware policies only)
 //   dtypes F64, F32, F16, BF16.
-// Output, per layer: layers.{i}.kept_indices I64 (heads concatenated, each ascending),
-//                    layers.{i}.kept_offsets I64 [Hkv + 1].
+//   Ragged layers (docs/algorithms.md section 6), both optional, I64 or I32:
+//   layers.{i}.lengths [Hkv]      head h holds rows [0, lengths[h]) of keys and values (the rest is padding);
+//                                 absent: every head holds all L rows
+//   layers.{i}.positions [Hkv, L] original token position of each row, strictly increasing along a head
+//                                 (read up to lengths[h]); absent: row j is at position j
+// Output, per layer: layers.{i}.kept_indices I64 (rows, heads concatenated, each ascending),
+//                    layers.{i}.kept_offsets I64 [Hkv + 1],
+//                    layers.{i}.kept_positions I64 (original positions, parallel to kept_indices).
 // Any bad input: one line on stderr starting with "kvevict-select:" and exit status 1 (2 for usage errors).
 
 #include <cstdio>
@@ -37,6 +43,7 @@ int run(const kvevict::tools::Options& opt) {
     const std::string prefix = "layers." + std::to_string(i) + ".";
     out.push_back(st::make_tensor_i64(prefix + "kept_indices", {sel.total()}, sel.indices()));
     out.push_back(st::make_tensor_i64(prefix + "kept_offsets", {sel.heads() + 1}, sel.offsets()));
+    out.push_back(st::make_tensor_i64(prefix + "kept_positions", {sel.total()}, sel.positions()));
   }
   st::write(opt.output, out, opt.metadata());
   return 0;

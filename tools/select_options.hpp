@@ -70,6 +70,7 @@ inline std::string usage_text() {
          "  --budget N                tokens kept per KV head on average, window included (1 <= N <= L)\n"
          "  --keep R                  keep ratio in (0, 1]: n_kept = int(L * R)\n"
          "  --compression-ratio CR    fraction removed in [0, 1): n_kept = int(L * (1 - CR))\n"
+         "                            (on ragged layers L is the mean of the heads' lengths)\n"
          "  --window W                observation window (default: the rows of q_window / window_attention)\n"
          "  --pool avg|max            pooling along tokens (default avg)\n"
          "  --kernel K                odd pooling kernel (default 5)\n"
@@ -84,9 +85,12 @@ inline std::string usage_text() {
          "  --mass-threshold T        DefensiveKV cumulative mass threshold (default 0.9)\n"
          "  --no-floor                DefensiveKV without the adaptive prior floor (ablation)\n"
          "input per layer i: layers.{i}.q_window [H,w,d] or layers.{i}.window_attention [H,w,L], layers.{i}.keys\n"
-         "[Hkv,L,d], layers.{i}.values [Hkv,L,d], layers.{i}.w_o [D,H*d] (value-aware selectors); F64/F32/F16/BF16. "
-         "output: layers.{i}.kept_indices I64,\n"
-         "layers.{i}.kept_offsets I64 [Hkv+1].\n";
+         "[Hkv,L,d], layers.{i}.values [Hkv,L,d], layers.{i}.w_o [D,H*d] (value-aware selectors); F64/F32/F16/BF16.\n"
+         "ragged layers (optional, I64/I32): layers.{i}.lengths [Hkv] (head h holds rows 0..lengths[h]-1 of keys and\n"
+         "values, the rest is padding; default L), layers.{i}.positions [Hkv,L] (original positions, strictly\n"
+         "increasing per head; default 0..L-1).\n"
+         "output: layers.{i}.kept_indices I64 (kept rows, heads concatenated), layers.{i}.kept_offsets I64 [Hkv+1],\n"
+         "layers.{i}.kept_positions I64 (their original positions, parallel to kept_indices).\n";
 }
 
 inline double parse_double(const std::string& flag, const std::string& text) {

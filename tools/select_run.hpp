@@ -71,10 +71,27 @@ inline std::string shape_str(const std::vector<std::int64_t>& s) {
   return out + "]";
 }
 
+/// An integer tensor (I64, or I32 widened) of exactly the shape `expected`; nullopt when the file has none.
+/// `what` describes the expected shape in words, for the message.
+inline std::optional<std::vector<std::int64_t>> load_integers(const st::file& in, const std::string& name,
+                                                              const std::vector<std::int64_t>& expected,
+                                                              const std::string& what) {
+  const st::tensor_info* t = in.find(name);
+  if (!t) return std::nullopt;
+  if (t->type != st::dtype::I64 && t->type != st::dtype::I32)
+    throw input_error("tensor '" + name + "' has dtype " + st::dtype_name(t->type) + "; expected I64 or I32 " +
+                      shape_str(expected) + " (" + what + ")");
+  if (t->shape != expected)
+    throw input_error("tensor '" + name + "' has shape " + shape_str(t->shape) + "; expected " + shape_str(expected) +
+                      " (" + what + ")");
+  return in.read_i64(*t);
+}
+
 /// One layer's tensors converted to S, and the views the library reads.
 template <class S>
 struct LayerTensors {
   std::optional<Loaded<S>> keys, values, queries, attention, w_o;
+  std::optional<std::vector<std::int64_t>> lengths, positions;  // ragged layers (docs/algorithms.md section 6)
   kvevict::LayerInputs<S> inputs;
 };
 
@@ -90,6 +107,16 @@ LayerTensors<S> load_layer(const Options& opt, const st::file& in, Index layer, 
   const Index Hkv = t.keys->shape[0], L = t.keys->shape[1], d = t.keys->shape[2];
   kvevict::LayerInputs<S>& li = t.inputs;
   li.keys = kvevict::kv_heads_major<const S>(t.keys->data.data(), Hkv, L, d);
+  // Ragged layers: keys and values padded to L rows per head, head h holding rows [0, lengths[h]) at the original
+  // positions positions[h, 0 .. lengths[h]); the library checks the values (range, increasing).
+  t.lengths = load_integers(
+      in, prefix + "lengths", {Hkv},
+      "[kv_heads]: the entries held by each of the " + std::to_string(Hkv) + " KV heads of '" + prefix + "keys'");
+  t.positions = load_integers(
+      in, prefix + "positions", {Hkv, L},
+      "[kv_heads, tokens]: the original position of every row of '" + prefix + "keys' " + shape_str(t.keys->shape));
+  if (t.lengths) li.lengths = t.lengths->data();
+  if (t.positions) li.positions = kvevict::positions_heads_major(t.positions->data(), Hkv, L);
   if (t.values) {
     if (t.values->shape[0] != Hkv || t.values->shape[1] != L)
       throw input_error("tensor '" + prefix + "values' has shape " + shape_str(t.values->shape) + "; expected [" +

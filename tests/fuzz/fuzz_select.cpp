@@ -29,7 +29,10 @@ void check_selections(const st::file& in, const std::vector<kvevict::Selection>&
   for (std::size_t l = 0; l < selections.size(); ++l) {
     const st::tensor_info& keys = in.at("layers." + std::to_string(l) + ".keys");
     const kvevict::Selection& s = selections[l];
-    if (s.heads() != keys.shape.at(0) || s.context_length() != keys.shape.at(1)) std::abort();
+    // A ragged layer (layers.{l}.lengths) selects over its longest head, at most the padded rows.
+    if (s.heads() != keys.shape.at(0) || s.context_length() > keys.shape.at(1)) std::abort();
+    if (!in.find("layers." + std::to_string(l) + ".lengths") && s.context_length() != keys.shape.at(1)) std::abort();
+    if (s.positions().size() != s.indices().size()) std::abort();
     kvevict::Index total = 0;
     for (kvevict::Index h = 0; h < s.heads(); ++h) {
       const auto idx = s.head(h);

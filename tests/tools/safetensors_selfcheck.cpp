@@ -3,6 +3,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -442,6 +443,47 @@ TEST_CASE("reader API errors on a valid file", "[safetensors]") {
   foreign = f.at("f64");
   foreign.begin = foreign.end + 8;
   EXPECT_ERROR(f.raw(foreign), {"does not fit"});
+}
+
+TEST_CASE("I64 and I32: known little-endian bit patterns, I32 widened, byte ranges of the wrong size",
+          "[safetensors]") {
+  const std::string header =
+      R"({"a":{"dtype":"I64","shape":[3],"data_offsets":[0,24]},"b":{"dtype":"I32","shape":[3],"data_offsets":[24,36]}})";
+  std::vector<unsigned char> bytes = make_file(header, 36);
+  const std::vector<unsigned char> a_bytes = {0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,   // 0x0102030405060708
+                                              0xFE, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF,   // -2
+                                              0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x80};  // INT64_MIN
+  const std::vector<unsigned char> b_bytes = {0x04, 0x03, 0x02, 0x01,                           // 0x01020304
+                                              0xFF, 0xFF, 0xFF, 0xFF,                           // -1
+                                              0x00, 0x00, 0x00, 0x80};                          // INT32_MIN
+  const std::size_t data = 8 + header.size();
+  std::copy(a_bytes.begin(), a_bytes.end(), bytes.begin() + static_cast<std::ptrdiff_t>(data));
+  std::copy(b_bytes.begin(), b_bytes.end(), bytes.begin() + static_cast<std::ptrdiff_t>(data + 24));
+  const st::file f = st::file::parse(bytes, kSrc);
+  const std::vector<std::int64_t> a = {0x0102030405060708, -2, std::numeric_limits<std::int64_t>::min()};
+  CHECK(f.read_i64(f.at("a")) == a);
+  CHECK(f.read_i64(f.at("b")) ==
+        (std::vector<std::int64_t>{0x01020304, -1, std::numeric_limits<std::int32_t>::min()}));  // sign-extended
+  CHECK(st::make_tensor_i64("a", {3}, a).bytes == a_bytes);
+  CHECK(st::make_tensor_i64("a", {3, 1}, a).shape == (std::vector<std::int64_t>{3, 1}));
+  EXPECT_ERROR(f.read_floats<double>(f.at("b")), {"tensor 'b'", "I32", "not floating point"});
+  st::tensor_info foreign = f.at("a");
+  foreign.end = foreign.begin + 12;  // not a whole number of I64 elements
+  EXPECT_ERROR(f.read_i64(foreign), {"tensor 'a'", "does not fit"});
+  // Byte ranges that disagree with the shape, or lie beyond the data.
+  EXPECT_ERROR(parse_header(R"({"t":{"dtype":"I64","shape":[2],"data_offsets":[0,12]}})", 16),
+               {"tensor 't'", "span 12 bytes", "expected 16 bytes"});
+  EXPECT_ERROR(parse_header(R"({"t":{"dtype":"I64","shape":[2],"data_offsets":[0,8]}})", 16),
+               {"tensor 't'", "span 8 bytes", "expected 16 bytes"});
+  EXPECT_ERROR(parse_header(R"({"t":{"dtype":"I32","shape":[2,2],"data_offsets":[0,8]}})", 16),
+               {"tensor 't'", "span 8 bytes", "expected 16 bytes"});
+  EXPECT_ERROR(parse_header(R"({"t":{"dtype":"I32","shape":[3],"data_offsets":[0,16]}})", 16),
+               {"tensor 't'", "span 16 bytes", "expected 12 bytes"});
+  EXPECT_ERROR(parse_header(R"({"t":{"dtype":"I64","shape":[1],"data_offsets":[0,8]}})", 4),
+               {"tensor 't'", "beyond the data section of 4 bytes"});
+  EXPECT_ERROR(parse_header(R"({"t":{"dtype":"I64","shape":[4611686018427387904],"data_offsets":[0,8]}})", 8),
+               {"tensor 't'", "byte size", "overflows"});
+  EXPECT_ERROR(st::make_tensor_i64("x", {2, 2}, {1, 2, 3}), {"tensor 'x'", "got 3 values", "expected 4"});
 }
 
 TEST_CASE("dtype names and sizes", "[safetensors]") {
