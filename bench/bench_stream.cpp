@@ -14,7 +14,7 @@
 //   x_step_mem  extra_MiB / the K and V bytes of the budget plus one step (Hkv * (n + C) * d * 2 floats): the
 //               extra memory stays O(budget + step)
 //
-//   build/bench/bench/kvevict_bench --benchmark_filter=BM_stream --benchmark_counters_tabular=true
+//   build/release/bench/kvevict_bench --benchmark_filter='BM_stream/' --benchmark_counters_tabular=true
 //
 // Names: BM_stream/<row>/<model>/<prompt>/<C>.
 
@@ -108,7 +108,8 @@ void BM_Stream(benchmark::State& state, const Model& m, const Policy& policy) {
       for (Index h = 0; h < m.Hkv; ++h)
         for (Index i = 0; i < c; ++i) {
           const Index row = book.layer(0).length(h) - c + i;
-          std::copy(src.key(at + i, h), src.key(at + i, h) + m.d, &keys[static_cast<std::size_t>((h * capacity + row) * m.d)]);
+          std::copy(src.key(at + i, h), src.key(at + i, h) + m.d,
+                    &keys[static_cast<std::size_t>((h * capacity + row) * m.d)]);
           std::copy(src.value(at + i, h), src.value(at + i, h) + m.d,
                     &values[static_cast<std::size_t>((h * capacity + row) * m.d)]);
         }
@@ -140,9 +141,8 @@ void BM_Stream(benchmark::State& state, const Model& m, const Policy& policy) {
   kvevict::LayerInputs<float> whole = in;
   whole.keys = kvevict::kv_tokens_major<const float>(src.k.data(), kPrompt, m.Hkv, m.d);
   whole.values = kvevict::kv_tokens_major<const float>(src.v.data(), kPrompt, m.Hkv, m.d);
-  const double oneshot = best_of_3([&] {
-    benchmark::DoNotOptimize(select_one(policy, whole, kvevict::Budget::tokens(n)).indices().data());
-  });
+  const double oneshot = best_of_3(
+      [&] { benchmark::DoNotOptimize(select_one(policy, whole, kvevict::Budget::tokens(n)).indices().data()); });
   state.counters["evictions"] = static_cast<double>(evictions) / iterations;
   state.counters["x_oneshot"] = total / iterations / oneshot;
   state.counters["x_floor"] = (total - compaction) / floor_window;

@@ -316,15 +316,27 @@ Matrix stream(Engine& engine, const RunConfig& run, const tinycode::eval::Tokens
   for (const auto& [first, last] : steps_of(tokens.size(), chunk, engine.window())) {
     logits.middleRows(static_cast<Index>(first), static_cast<Index>(last - first)) =
         engine.extend(tokens.data() + first, static_cast<Index>(last - first));
-    if (!run.full()) run.policy->stream(engine, n, select_ms);
+    if (run.full()) continue;
+    run.policy->stream(engine, n, select_ms);
+    // The streaming contract: every layer (a layer-global policy: the model) back within n per KV head.
+    const auto& book = engine.cache().book();
+    const Index heads = book.layer(0).kv_heads();
+    for (Index l = 0; l < book.layers(); ++l)
+      if (run.policy->scope != kvevict::BudgetScope::model && book.layer(l).entries() > heads * n)
+        throw std::logic_error(run.policy->name + ": layer " + std::to_string(l) + " holds " +
+                               std::to_string(book.layer(l).entries()) + " rows after a streaming eviction to " +
+                               std::to_string(n) + " per head");
+    if (book.entries() > book.layers() * heads * n)
+      throw std::logic_error(run.policy->name + ": the model holds " + std::to_string(book.entries()) +
+                             " rows after a streaming eviction to " + std::to_string(n) + " per head");
   }
   return logits;
 }
 
 /// The budget of the streaming modes: n = int(1536 * keep) tokens per KV head.
 Index stream_budget(const RunConfig& run) {
-  return static_cast<Index>(kvevict::Budget::keep_ratio(run.keep).n_kept(
-      static_cast<Index>(tinycode::eval::ContinuationTask::context_len)));
+  return static_cast<Index>(
+      kvevict::Budget::keep_ratio(run.keep).n_kept(static_cast<Index>(tinycode::eval::ContinuationTask::context_len)));
 }
 
 /// A fresh engine for one configuration of the streaming modes: `context` prefilled in chunks (chunked: evicting

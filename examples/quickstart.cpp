@@ -53,6 +53,38 @@ std::vector<kvevict::Selection> evict_model(const std::vector<kvevict::LayerInpu
 }
 // ----------------------------------------------------------------------------------------------------------------
 
+// Decoding under a cap: the cache [Hkv, capacity, d] per layer never holds more than n tokens per KV head on average
+// plus one step. The engine runs its forward pass and owns K and V; kvevict::CacheBook keeps each head's length and
+// original positions (the cache is ragged after the first eviction) and evict_over_budget evicts what is over.
+struct CappedLayer {
+  std::vector<float> k, v;     // [Hkv, capacity, d], head-major; head h's entries are rows [0, book length(h))
+  std::vector<float> q_win;    // [H, w, d]: the step's last w post-RoPE queries
+  const float* w_o = nullptr;  // [hidden, H * d]
+};
+
+void decode_step(std::vector<CappedLayer>& layers, kvevict::CacheBook& book, const kvevict::DefensiveKV& policy,
+                 kvevict::Index H, kvevict::Index Hkv, kvevict::Index d, kvevict::Index hidden, kvevict::Index n) {
+  const kvevict::Index capacity = book.layer(0).capacity();
+  auto view = [&](std::vector<float>& x) { return kvevict::kv_heads_major(x.data(), Hkv, capacity, d); };
+  // ... after the forward pass of this step's c >= w tokens wrote rows [length(h) - c, length(h)) of every head
+  // (book.append(c) came first), evict every layer holding more than Hkv * n entries:
+  kvevict::evict_over_budget(
+      policy, book, n,
+      [&](kvevict::Index l) {
+        CappedLayer& x = layers[static_cast<std::size_t>(l)];
+        kvevict::LayerInputs<float> in;  // the book adds each head's length and positions
+        in.queries = kvevict::HeadsView<const float>::heads_major(x.q_win.data(), H, 32, d);
+        in.keys = view(x.k);
+        in.values = view(x.v);
+        in.w_o = kvevict::output_projection(x.w_o, hidden, H, d);
+        return in;
+      },
+      [&](kvevict::Index l, const kvevict::Selection& kept) {  // compacts K, V and the positions in place
+        CappedLayer& x = layers[static_cast<std::size_t>(l)];
+        book.layer(l).apply(kept, view(x.k), view(x.v));
+      });
+}
+
 int main() {
   const kvevict::Index H = 8, Hkv = 2, L = 1000, d = 64, hidden = 512;
   std::mt19937 rng(7);
@@ -93,6 +125,38 @@ int main() {
   kvevict::Index model_total = 0;
   for (const auto& sel : model) model_total += sel.total();
   errors += model_total == 3 * Hkv * 100 ? 0 : 1;
+  // Capped decoding over two layers: 20 steps of 40 tokens, n = 100 per KV head; never more than Hkv * (n + 40).
+  {
+    const kvevict::Index capacity = 400, steps = 20, c = 40, n = 100;
+    kvevict::CacheBook book(2, Hkv, capacity);
+    std::vector<CappedLayer> layers(2);
+    for (CappedLayer& x : layers) {
+      x.k.assign(static_cast<std::size_t>(Hkv * capacity * d), 0.f);
+      x.v = x.k;
+      x.w_o = w_o.data();
+    }
+    const kvevict::DefensiveKV policy;
+    for (kvevict::Index s = 0; s < steps; ++s) {
+      book.append(c);  // the forward pass: c new rows per head, here random keys and values
+      for (kvevict::Index l = 0; l < 2; ++l) {
+        CappedLayer& x = layers[static_cast<std::size_t>(l)];
+        for (kvevict::Index h = 0; h < Hkv; ++h)
+          for (kvevict::Index r = book.layer(l).length(h) - c; r < book.layer(l).length(h); ++r)
+            for (kvevict::Index e = 0; e < d; ++e) {
+              x.k[static_cast<std::size_t>((h * capacity + r) * d + e)] = normal(rng);
+              x.v[static_cast<std::size_t>((h * capacity + r) * d + e)] = normal(rng);
+            }
+        x.q_win = random(static_cast<std::size_t>(H * 32 * d));
+      }
+      errors += book.entries() <= 2 * Hkv * (n + c) ? 0 : 1;
+      decode_step(layers, book, policy, H, Hkv, d, hidden, n);
+      errors += book.layer(0).entries() <= Hkv * n && book.layer(1).entries() <= Hkv * n ? 0 : 1;
+    }
+    // The last step's window (its last 32 positions) is in every head, at the end.
+    for (kvevict::Index l = 0; l < 2; ++l)
+      for (kvevict::Index h = 0; h < Hkv; ++h)
+        errors += book.layer(l).position(h, book.layer(l).length(h) - 1) == steps * c - 1 ? 0 : 1;
+  }
   std::printf("quickstart: kept %ld of %ld tokens per KV head on average (heads: %ld, %ld), %d errors\n",
               static_cast<long>(kept.total() / Hkv), static_cast<long>(L), static_cast<long>(kept.length(0)),
               static_cast<long>(kept.length(1)), errors);

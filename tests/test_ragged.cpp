@@ -21,9 +21,9 @@
 using kvevict::Budget;
 using kvevict::Index;
 using kvevict::Selection;
-using kvevict_test::Rng;
 using kvevict_test::MessageContains;
 using kvevict_test::Ragged;
+using kvevict_test::Rng;
 template <class T>
 using Stored = kvevict_test::RaggedStored<T>;
 using kvevict_test::length;
@@ -46,7 +46,8 @@ kvevict::Knobs window_knob(int w) {
 /// Calls f(name, policy) for every catalogue entry with window w.
 template <class F>
 void for_each_policy(int w, F&& f) {
-  kvevict::catalogue::for_each(kvevict::catalogue::entries(), [&](const auto& e) { f(e.name, e.make(window_knob(w))); });
+  kvevict::catalogue::for_each(kvevict::catalogue::entries(),
+                               [&](const auto& e) { f(e.name, e.make(window_knob(w))); });
 }
 
 template <class P, class In>
@@ -69,7 +70,8 @@ TEST_CASE("ragged: the same entries select alike in every layout, capacity and p
     const Stored<double> shifted = store<double>(r, L, false, 0.0, 1000);
     Index min_length = L;
     for (int h = 0; h < Hkv; ++h) min_length = std::min(min_length, length(r, h));
-    for (const std::int64_t n : {std::int64_t{1}, static_cast<std::int64_t>(w), static_cast<std::int64_t>(min_length)}) {
+    for (const std::int64_t n :
+         {std::int64_t{1}, static_cast<std::int64_t>(w), static_cast<std::int64_t>(min_length)}) {
       for_each_policy(w, [&](std::string_view name, const auto& policy) {
         INFO(name << " trial " << trial << " n " << n);
         const Selection a = select_one(policy, tight.in, Budget::tokens(n));
@@ -130,7 +132,8 @@ TEST_CASE("ragged: per-head policies see each head's own entries only", "[ragged
       one.heads = {r.heads[static_cast<std::size_t>(h)]};
       one.q.assign(r.q.begin() + h * G * w * d, r.q.begin() + (h + 1) * G * w * d);
       for (int row = 0; row < r.D; ++row)  // W_o's columns of query heads h*G .. h*G + G - 1
-        for (int c = 0; c < G * d; ++c) one.w_o.push_back(r.w_o[static_cast<std::size_t>(row * r.H * d + h * G * d + c)]);
+        for (int c = 0; c < G * d; ++c)
+          one.w_o.push_back(r.w_o[static_cast<std::size_t>(row * r.H * d + h * G * d + c)]);
       const Stored<double> single = store<double>(one, longest(one), false, 0.0);
       const Budget own = Budget::tokens(std::min<Index>(n, length(r, h)));
       INFO("trial " << trial << " head " << h);
@@ -171,9 +174,8 @@ TEST_CASE("ragged: ties across heads go to the higher position, not the higher r
   p.window = 1;
   p.alpha = 0.0;
   p.kernel = 1;
-  for (const auto& [positions, want] :
-       std::vector<std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>>>{{{0, 5, 9, 3, 4, 9}, {5, 9, 4, 9}},
-                                                                                    {{0, 5, 9, 6, 7, 9}, {9, 6, 7, 9}}}) {
+  for (const auto& [positions, want] : std::vector<std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>>>{
+           {{0, 5, 9, 3, 4, 9}, {5, 9, 4, 9}}, {{0, 5, 9, 6, 7, 9}, {9, 6, 7, 9}}}) {
     kvevict::LayerInputs<double> in;
     in.attention = kvevict::HeadsView<const double>::heads_major(attn.data(), 2, 1, 3);
     in.keys = kvevict::kv_heads_major<const double>(keys.data(), 2, 3, 1);
@@ -240,13 +242,14 @@ TEST_CASE("ragged: bad lengths, positions and windows are refused", "[ragged][er
     kvevict::SnapKV::Params q = p;
     q.reference_quirks = true;
     if (s.lengths[0] != s.lengths[1])
-      REQUIRE_THROWS_MATCHES(kvevict::SnapKV(q).select(s.in, Budget::tokens(3)), kvevict::invalid_argument,
-                             MessageContains("reference_quirks needs every KV head to hold the same number of entries"));
+      REQUIRE_THROWS_MATCHES(
+          kvevict::SnapKV(q).select(s.in, Budget::tokens(3)), kvevict::invalid_argument,
+          MessageContains("reference_quirks needs every KV head to hold the same number of entries"));
   }
   {
     const std::int64_t total = s.lengths[0] + s.lengths[1];
-    REQUIRE_THROWS_MATCHES(snap.select(s.in, Budget::tokens(total / 2 + 1)), kvevict::invalid_argument,
-                           MessageContains("n_kept must be in [1, " + std::to_string(total / 2) +
-                                           "] (the mean entries per KV head"));
+    REQUIRE_THROWS_MATCHES(
+        snap.select(s.in, Budget::tokens(total / 2 + 1)), kvevict::invalid_argument,
+        MessageContains("n_kept must be in [1, " + std::to_string(total / 2) + "] (the mean entries per KV head"));
   }
 }

@@ -51,13 +51,13 @@ kvevict_ref::Pool ref_pool(kvevict::Pooling p) {
   return p == kvevict::Pooling::avg ? kvevict_ref::Pool::avg : kvevict_ref::Pool::max;
 }
 
-#define KVEVICT_CHECK_KEPT(got, want)          \
-  do {                                         \
-    const ref::KeptRows g_ = rows_of(got);     \
-    const ref::KeptRows w_ = (want);           \
-    INFO("got  " << show(g_));                 \
-    INFO("want " << show(w_));                 \
-    CHECK(g_ == w_);                           \
+#define KVEVICT_CHECK_KEPT(got, want)      \
+  do {                                     \
+    const ref::KeptRows g_ = rows_of(got); \
+    const ref::KeptRows w_ = (want);       \
+    INFO("got  " << show(g_));             \
+    INFO("want " << show(w_));             \
+    CHECK(g_ == w_);                       \
   } while (false)
 
 }  // namespace

@@ -46,8 +46,7 @@ struct Engine {
   kvevict::CacheBook book;
   std::vector<std::vector<double>> k, v, q_window;  // per layer; q_window [H, w, d]
 
-  Engine(const Source& s, Index cap, Index window)
-      : src(&s), capacity(cap), w(window), book(s.NL, s.Hkv, cap) {
+  Engine(const Source& s, Index cap, Index window) : src(&s), capacity(cap), w(window), book(s.NL, s.Hkv, cap) {
     for (int l = 0; l < s.NL; ++l) {
       k.emplace_back(static_cast<std::size_t>(s.Hkv * cap * s.d), 0.0);
       v.emplace_back(static_cast<std::size_t>(s.Hkv * cap * s.d), 0.0);
@@ -173,8 +172,8 @@ TEST_CASE("stream: chunked prefill and capped decoding stay within the budget pl
     kvevict::catalogue::for_each(kvevict::catalogue::entries(), [&](const auto& e) {
       INFO(e.name << " trial " << trial);
       const auto policy = e.make(window_knob(w));
-      const bool model_budget = kvevict::budget_scope<typename std::decay_t<decltype(e)>::policy_type>() ==
-                                kvevict::BudgetScope::model;
+      const bool model_budget =
+          kvevict::budget_scope<typename std::decay_t<decltype(e)>::policy_type>() == kvevict::BudgetScope::model;
       Engine eng(s, T, w);
       std::uniform_int_distribution<Index> step_size(w, 4 * w);
       Index evictions = 0;

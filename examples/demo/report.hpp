@@ -37,9 +37,9 @@ inline std::string describe_mode(Mode m, long chunk) {
 struct Record {
   std::string policy;  // the kvevict-select policy name; "full" for the full cache
   Mode mode = Mode::oneshot;
-  long chunk = 0;      // the step of chunked / capped; 0 for oneshot
-  double keep = 1;     // keep ratio; 1 for the full cache
-  long n_kept = 0;     // floor(keep * context length)
+  long chunk = 0;   // the step of chunked / capped; 0 for oneshot
+  double keep = 1;  // keep ratio; 1 for the full cache
+  long n_kept = 0;  // floor(keep * context length)
   long docs = 0;
   double loss = 0;  // mean continuation NLL (nats/byte)
   std::vector<double> doc_losses;

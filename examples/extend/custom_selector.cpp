@@ -55,11 +55,11 @@ struct KeyNormSelector {
   template <class S, class In>
   Layer<S> score(const In& in, const ext::LayerShape& shape, const kvevict::CommonParams& common,
                  const ext::LayerBudget& /*budget*/, const char* where) const {
-    kvevict::RowMatrix<S> prefix(shape.kv_heads, shape.prefix);  // [Hkv, P]
+    kvevict::RowMatrix<S> prefix = kvevict::RowMatrix<S>::Zero(shape.kv_heads, shape.prefix);  // [Hkv, P]
     for (Index h = 0; h < shape.kv_heads; ++h)
-      for (Index j = 0; j < shape.prefix; ++j)
+      for (Index j = 0; j < shape.prefix_of(h); ++j)  // P_h: a ragged head's own prefix (docs/algorithms.md 6)
         prefix(h, j) = -key_norm<S>(in.keys.row(h, j), shape.head_dim, params_.norm_order);
-    Layer<S> layer{ext::scores_with_window(prefix, shape.window, common.reference_quirks)};
+    Layer<S> layer{ext::scores_with_window(prefix, shape, common.reference_quirks)};
     layer.allocation.require_finite(where);  // NaN or Inf keys: kvevict::invalid_argument naming the policy
     return layer;
   }
@@ -103,7 +103,7 @@ struct ProportionalAllocation {
     for (std::size_t f = 0; f < scores.score.size(); ++f) {
       if (scores.tier[f] == ext::Tier::scored)
         share[f / L] += static_cast<double>(scores.score[f]) - low;
-      else if (b[f / L] < budget.total / scores.heads)
+      else if (scores.tier[f] != ext::Tier::absent && b[f / L] < budget.total / scores.heads)
         ++b[f / L];  // entries above the scored tier (window, forced) first
     }
     Index left = budget.total;
@@ -120,15 +120,15 @@ struct ProportionalAllocation {
     const double rest = static_cast<double>(left);
     for (std::size_t h = 0; h < H; ++h) {
       share[h] *= rest / weight;
-      const Index n = std::min(scores.tokens - b[h], static_cast<Index>(std::floor(share[h])));
+      const Index n = std::min(scores.length(static_cast<Index>(h)) - b[h], static_cast<Index>(std::floor(share[h])));
       b[h] += n;
       left -= n;
       share[h] -= static_cast<double>(n);
     }
-    for (; left > 0; --left) {  // some head has room: budget.total <= Hkv * L
+    for (; left > 0; --left) {  // some head has room: budget.total <= the entries of the layer
       std::size_t best = H;
       for (std::size_t h = 0; h < H; ++h)
-        if (b[h] < scores.tokens && (best == H || share[h] > share[best])) best = h;
+        if (b[h] < scores.length(static_cast<Index>(h)) && (best == H || share[h] > share[best])) best = h;
       ++b[best];
       share[best] -= 1.0;
     }

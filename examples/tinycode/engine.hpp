@@ -245,7 +245,8 @@ class Engine {
     apply_rope(q, c.n_head, next_position_);
     apply_rope(k, c.n_kv_head, next_position_);
     remember_window_queries(l, q);
-    for (Index kh = 0; kh < c.n_kv_head; ++kh) cache_.write_new(l, kh, k.middleCols(kh * d, d), v.middleCols(kh * d, d));
+    for (Index kh = 0; kh < c.n_kv_head; ++kh)
+      cache_.write_new(l, kh, k.middleCols(kh * d, d), v.middleCols(kh * d, d));
 
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     Matrix attn(n, c.n_head * d);

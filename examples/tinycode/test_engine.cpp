@@ -187,7 +187,7 @@ TEST_CASE("eviction policies on doc 0 at keep 10%", "[engine]") {
   SECTION("streamingllm") { run(kvevict::StreamingLLM{}, true); }
 }
 
-TEST_CASE("streaming eviction on doc 0: one step is one shot; small steps stay within budget + step", "[engine]") {
+TEST_CASE("streaming eviction on doc 0: one step is one shot and small steps stay within budget + step", "[engine]") {
   const Doc0& d = doc0();
   const tinycode::Index n = 153;  // int(0.1 * 1536)
   const auto same_cache = [](const tinycode::Engine& a, const tinycode::Engine& b) {

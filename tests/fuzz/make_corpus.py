@@ -118,6 +118,25 @@ def main():
     sel("layer_gap", ["--policy", "snapkv", "--keep", "0.5"], one + [("layers.2.keys", "F32", [1], [0.0])])
     sel("i64_keys", ["--policy", "snapkv", "--keep", "0.5"], [("layers.0.keys", "I64", [2, 12, 4], [1] * 96)] + one[1:])
 
+    # ---- ragged layers (docs/algorithms.md section 6): lengths and positions, padding never read ----
+    def ragged(i, lengths, dtype="I64"):
+        t = layer_tensors(rng, i, 4, 2, 3, 12, 4, 8)
+        pos = []
+        for n in lengths:
+            start = rng.randrange(0, 5)
+            row = sorted(rng.sample(range(start, start + 40), n))
+            pos += row + [0] * (12 - n)
+        return t + [("layers.%d.lengths" % i, dtype, [2], lengths), ("layers.%d.positions" % i, dtype, [2, 12], pos)]
+
+    rag = ragged(0, [12, 7]) + ragged(1, [5, 10])
+    for policy in ["snapkv", "adakv", "streamingllm", "criticalkv", "defensivekv", "layer-defensivekv"]:
+        sel("ragged_" + policy, ["--policy", policy, "--budget", "4"], rag)
+    sel("ragged_i32_keep", ["--policy", "adakv-defensive", "--keep", "0.5"], ragged(0, [9, 12], "I32"))
+    sel("ragged_over_capacity", ["--policy", "snapkv", "--budget", "3"], ragged(0, [13, 5])[:-1] +
+        [("layers.0.positions", "I64", [2, 12], list(range(24)))])
+    sel("ragged_positions_not_increasing", ["--policy", "snapkv", "--budget", "3"],
+        layer_tensors(rng, 0, 4, 2, 3, 12, 4, 8) + [("layers.0.positions", "I64", [2, 12], [5] * 24)])
+
 
 if __name__ == "__main__":
     main()

@@ -70,7 +70,7 @@ struct RaggedStored {
 
 template <class T>
 RaggedStored<T> store(const Ragged& r, kvevict::Index capacity, bool tokens_major, T junk, std::int64_t shift = 0,
-                bool with_positions = true) {
+                      bool with_positions = true) {
   RaggedStored<T> s;
   const auto n = static_cast<std::size_t>(r.Hkv * capacity * r.d);
   s.k.assign(n, junk);
@@ -80,8 +80,8 @@ RaggedStored<T> store(const Ragged& r, kvevict::Index capacity, bool tokens_majo
     const auto& head = r.heads[static_cast<std::size_t>(h)];
     s.lengths.push_back(length(r, h));
     for (kvevict::Index j = 0; j < length(r, h); ++j) {
-      const std::size_t row = tokens_major ? static_cast<std::size_t>(j * r.Hkv + h)
-                                           : static_cast<std::size_t>(h * capacity + j);
+      const std::size_t row =
+          tokens_major ? static_cast<std::size_t>(j * r.Hkv + h) : static_cast<std::size_t>(h * capacity + j);
       s.positions[row] = head.pos[static_cast<std::size_t>(j)] + shift;
       for (int c = 0; c < r.d; ++c) {
         s.k[row * static_cast<std::size_t>(r.d) + static_cast<std::size_t>(c)] =

@@ -40,7 +40,8 @@ struct HeadAdaptiveAllocation {
     const auto n_safe = static_cast<Index>(static_cast<double>(budget.n_kept) * params_.alpha);
     if (n_safe > 0) {
       extend::KeepFlags safe(scores.score.size(), 0);
-      for (Index h = 0; h < scores.heads; ++h) extend::top_k_of_head(scores, h, std::min(n_safe, scores.length(h)), safe);
+      for (Index h = 0; h < scores.heads; ++h)
+        extend::top_k_of_head(scores, h, std::min(n_safe, scores.length(h)), safe);
       for (std::size_t f = 0; f < safe.size(); ++f)
         if (safe[f])
           scores.promote(static_cast<Index>(f) / scores.tokens, static_cast<Index>(f) % scores.tokens,

@@ -12,7 +12,8 @@ namespace kvevict::extend {
 
 /// Per-(layer, KV head) budgets from one top-k of `total` entries over all layers' maps. Order: entries above the
 /// scored tier first (forced and window tokens: +infinity, always kept while they fit), then score descending, then
-/// the more recent token (higher original position), the lower layer, the lower KV head (docs/algorithms.md section 2.7). Linear expected time.
+/// the more recent token (higher original position), the lower layer, the lower KV head (docs/algorithms.md
+/// section 2.7). Linear expected time.
 template <class S>
 std::vector<std::vector<Index>> allocate_layer_global(const std::vector<const ScoreMap<S>*>& layers, Index total) {
   struct Entry {

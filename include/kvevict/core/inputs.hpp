@@ -60,13 +60,13 @@ namespace kvevict::extend {
 /// The dimensions of one layer after validation. On a ragged layer (docs/algorithms.md section 6) `tokens` and
 /// `prefix` are the longest head's, and length(h) / prefix_of(h) each head's own.
 struct LayerShape {
-  Index query_heads = 0;  ///< H
-  Index kv_heads = 0;     ///< Hkv
-  Index group = 0;        ///< G = H / Hkv
-  Index tokens = 0;       ///< L (the longest head's L_h)
-  Index window = 0;       ///< w
-  Index prefix = 0;       ///< P = L - w
-  Index head_dim = 0;     ///< d
+  Index query_heads = 0;       ///< H
+  Index kv_heads = 0;          ///< Hkv
+  Index group = 0;             ///< G = H / Hkv
+  Index tokens = 0;            ///< L (the longest head's L_h)
+  Index window = 0;            ///< w
+  Index prefix = 0;            ///< P = L - w
+  Index head_dim = 0;          ///< d
   std::vector<Index> lengths;  ///< L_h [Hkv] when the heads hold different numbers of entries; empty: all L
   PositionsView positions;     ///< original positions [Hkv, >= L_h]; empty: entry j is at position j
 
@@ -108,9 +108,9 @@ inline void read_lengths(const std::int64_t* lengths, Index capacity, extend::La
 
 /// Checks the positions view [Hkv, >= L_h, 1] (strictly increasing along each head) and stores it in `s`.
 inline void read_positions(const PositionsView& pos, extend::LayerShape& s, const char* where) {
-  require(pos.heads() == s.kv_heads && pos.cols() == 1 && pos.rows() >= s.tokens, where, "positions [",
-          pos.heads(), ", ", pos.rows(), ", ", pos.cols(), "] must be [kv_heads = ", s.kv_heads,
-          ", >= ", s.tokens, " entries] (one column)");
+  require(pos.heads() == s.kv_heads && pos.cols() == 1 && pos.rows() >= s.tokens, where, "positions [", pos.heads(),
+          ", ", pos.rows(), ", ", pos.cols(), "] must be [kv_heads = ", s.kv_heads, ", >= ", s.tokens,
+          " entries] (one column)");
   for (Index h = 0; h < s.kv_heads; ++h)
     for (Index j = 1; j < s.length(h); ++j)
       require(*pos.row(h, j) > *pos.row(h, j - 1), where, "positions of KV head ", h,
@@ -150,8 +150,7 @@ extend::LayerShape validate_inputs(const LayerInputs<KV, Q, W>& in, Index window
       require(window < s.length(h), where, "window (", window, ") must be smaller than the entries of KV head ", h,
               " (", s.length(h), ")");
   } else {
-    require(window < s.tokens, where, "window (", window, ") must be smaller than the context length (", s.tokens,
-            ")");
+    require(window < s.tokens, where, "window (", window, ") must be smaller than the context length (", s.tokens, ")");
   }
   s.prefix = s.tokens - window;
   const HeadsView<const Q>& obs = has_q ? in.queries : in.attention;
@@ -172,8 +171,8 @@ extend::LayerShape validate_inputs(const LayerInputs<KV, Q, W>& in, Index window
             ") must equal the context length (", s.tokens, ")");
   const bool has_v = in.values.heads() * in.values.rows() * in.values.cols() > 0;
   if (has_v && in.lengths)
-    require(in.values.heads() == s.kv_heads && in.values.rows() >= s.tokens, where, "values [", in.values.heads(),
-            ", ", in.values.rows(), ", ", in.values.cols(), "] must have the keys' KV heads (", s.kv_heads,
+    require(in.values.heads() == s.kv_heads && in.values.rows() >= s.tokens, where, "values [", in.values.heads(), ", ",
+            in.values.rows(), ", ", in.values.cols(), "] must have the keys' KV heads (", s.kv_heads,
             ") and hold the longest head (", s.tokens, " entries)");
   else if (has_v)
     require(in.values.heads() == s.kv_heads && in.values.rows() == s.tokens, where, "values [", in.values.heads(), ", ",

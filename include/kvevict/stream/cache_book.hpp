@@ -47,7 +47,9 @@ class LayerBook {
   Index entries() const { return static_cast<Index>(std::accumulate(lengths_.begin(), lengths_.end(), 0LL)); }
   /// Original positions [Hkv, capacity] (entries beyond L_h are stale), what LayerInputs::positions views.
   PositionsView positions() const { return positions_heads_major(positions_.data(), kv_heads_, capacity_); }
-  std::int64_t position(Index h, Index j) const { return positions_[head(h) * static_cast<std::size_t>(capacity_) + static_cast<std::size_t>(j)]; }
+  std::int64_t position(Index h, Index j) const {
+    return positions_[head(h) * static_cast<std::size_t>(capacity_) + static_cast<std::size_t>(j)];
+  }
 
   /// Records n tokens at positions first .. first + n - 1 appended to every head (rows [L_h, L_h + n)). Throws
   /// kvevict::invalid_argument, changing nothing, if a head would exceed the capacity or the positions would not
@@ -85,9 +87,9 @@ class LayerBook {
                     " KV heads, the layer ", kv_heads_);
     for (Index h = 0; h < kv_heads_; ++h) {
       const auto kept = selection.head(h);
-      detail::require(kept.size() == 0 || kept[kept.size() - 1] < length(h), "LayerBook::apply", "the selection keeps row ",
-                      kept.size() ? kept[kept.size() - 1] : 0, " of KV head ", h, ", which holds ", length(h),
-                      " entries");
+      detail::require(kept.size() == 0 || kept[kept.size() - 1] < length(h), "LayerBook::apply",
+                      "the selection keeps row ", kept.size() ? kept[kept.size() - 1] : 0, " of KV head ", h,
+                      ", which holds ", length(h), " entries");
     }
     (detail::require(rows.heads() == kv_heads_ && rows.rows() >= capacity_, "LayerBook::apply", "each view must be [",
                      kv_heads_, ", >= ", capacity_, ", .], got [", rows.heads(), ", ", rows.rows(), ", ", rows.cols(),

@@ -66,7 +66,8 @@ Index evict_over_budget(const P& policy, CacheBook& book, Index n, Inputs&& inpu
     for (Index l : due) plan.add(book.layer(l).describe(inputs_of(l)));
     selections = plan.apply();
   } else {
-    for (Index l : due) selections.push_back(policy.template select<S>(book.layer(l).describe(inputs_of(l)), budget, l));
+    for (Index l : due)
+      selections.push_back(policy.template select<S>(book.layer(l).describe(inputs_of(l)), budget, l));
   }
   for (std::size_t i = 0; i < due.size(); ++i) apply(due[i], selections[i]);
   book.end_step();
