@@ -114,9 +114,8 @@ void BM_Stream(benchmark::State& state, const Model& m, const Policy& policy) {
                     &values[static_cast<std::size_t>((h * capacity + row) * m.d)]);
         }
       for (float& x : queries) x = normal(rng);
-      const bool due = kvevict::budget_scope<Policy>() == kvevict::BudgetScope::model
-                           ? book.entries() > m.Hkv * n
-                           : book.layer(0).entries() > m.Hkv * n;
+      const bool due = kvevict::budget_scope<Policy>() == kvevict::BudgetScope::model ? book.over_budget(n)
+                                                                                      : book.layer(0).over_budget(n);
       if (due) {
         const Floors f = ragged_floors(book.layer(0).describe(in), book.layer(0));
         floor_window += f.window;

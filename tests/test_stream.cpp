@@ -210,7 +210,12 @@ TEST_CASE("stream: a step shorter than the window, or over the capacity, changes
   Engine eng(s, 40, 4);
   eng.step(20);
   CHECK(eng.evict(snap, 8) == 2);
+  CHECK_FALSE(eng.book.layer(0).over_budget(8));
+  CHECK_FALSE(eng.book.over_budget(8));
   eng.step(3);
+  CHECK(eng.book.layer(0).over_budget(8));  // 11 per head > 8
+  CHECK(eng.book.over_budget(8));
+  CHECK_FALSE(eng.book.layer(0).over_budget(11));
   const std::vector<std::int64_t> before = eng.held(1, 1);
   REQUIRE_THROWS_MATCHES(eng.evict(snap, 8), kvevict::invalid_argument,
                          MessageContains("kvevict::SnapKV::evict_over_budget: the step (3 tokens appended since the "

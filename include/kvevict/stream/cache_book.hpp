@@ -45,6 +45,8 @@ class LayerBook {
   Index length(Index h) const { return static_cast<Index>(lengths_[head(h)]); }
   /// Sum of L_h.
   Index entries() const { return static_cast<Index>(std::accumulate(lengths_.begin(), lengths_.end(), 0LL)); }
+  /// Whether the layer holds more than its budget of n tokens per KV head on average (Hkv * n entries).
+  bool over_budget(Index n) const { return entries() > kv_heads_ * n; }
   /// Original positions [Hkv, capacity] (entries beyond L_h are stale), what LayerInputs::positions views.
   PositionsView positions() const { return positions_heads_major(positions_.data(), kv_heads_, capacity_); }
   std::int64_t position(Index h, Index j) const {
@@ -137,6 +139,14 @@ class CacheBook {
     Index n = 0;
     for (const LayerBook& l : layers_) n += l.entries();
     return n;
+  }
+
+  /// Whether the model holds more than its budget of n tokens per KV head on average (the sum over layers of Hkv * n
+  /// entries: what a layer-global policy evicts to).
+  bool over_budget(Index n) const {
+    Index total = 0;
+    for (const LayerBook& l : layers_) total += l.kv_heads() * n;
+    return entries() > total;
   }
 
   /// Records n tokens appended to every layer and head at next_position() .. + n - 1.

@@ -41,16 +41,11 @@ Index evict_over_budget(const P& policy, CacheBook& book, Index n, Inputs&& inpu
   const std::string where = policy.name() + "::evict_over_budget";
   std::vector<Index> due;
   for (Index l = 0; l < book.layers(); ++l) {
-    const LayerBook& layer = book.layer(l);
-    if constexpr (detail::is_layer_global<P>::value)
-      due.push_back(l);  // all or none, decided on the model total below
-    else if (layer.entries() > layer.kv_heads() * n)
+    if constexpr (detail::is_layer_global<P>::value) {
+      if (book.over_budget(n)) due.push_back(l);  // all layers or none
+    } else if (book.layer(l).over_budget(n)) {
       due.push_back(l);
-  }
-  if constexpr (detail::is_layer_global<P>::value) {
-    Index total = 0;
-    for (Index l = 0; l < book.layers(); ++l) total += book.layer(l).kv_heads() * n;
-    if (book.entries() <= total) due.clear();
+    }
   }
   if (due.empty()) {
     book.end_step();
