@@ -61,9 +61,10 @@ class LayerBook {
     for (Index h = 0; h < kv_heads_; ++h) {
       detail::require(length(h) + n <= capacity_, "LayerBook::append", "KV head ", h, " would hold ", length(h) + n,
                       " entries, over the capacity of ", capacity_);
-      detail::require(length(h) == 0 || position(h, length(h) - 1) < first_position, "LayerBook::append",
-                      "positions must increase: KV head ", h, " ends at position ", position(h, length(h) - 1),
-                      ", appending at ", first_position);
+      if (length(h) == 0) continue;
+      const std::int64_t last = position(h, length(h) - 1);  // (require evaluates its message parts eagerly)
+      detail::require(last < first_position, "LayerBook::append", "positions must increase: KV head ", h,
+                      " ends at position ", last, ", appending at ", first_position);
     }
     for (Index h = 0; h < kv_heads_; ++h) {
       std::int64_t* row = positions_.data() + head(h) * static_cast<std::size_t>(capacity_);
