@@ -82,14 +82,15 @@ TEST_CASE("catalogue: budget scopes, knob lists and knobs applied", "[catalogue]
   STATIC_REQUIRE(kvevict::budget_scope<kvevict::LayerDefensiveKV>() == BudgetScope::model);
 
   using Names = std::vector<std::string>;
-  CHECK(kvevict::knob_names<kvevict::SnapKV::Params>() == Names{"window", "pooling", "kernel", "reference_quirks"});
-  CHECK(kvevict::knob_names<kvevict::StreamingLLM::Params>() == Names{"sinks"});
-  CHECK(kvevict::knob_names<kvevict::CriticalKV::Params>() == Names{"window", "pooling", "kernel", "reference_quirks",
-                                                                    "alpha", "adakv_variant", "eps",
-                                                                    "first_stage_ratio", "value_norm"});
+  CHECK(kvevict::knob_names<kvevict::SnapKV::Params>() ==
+        Names{"share", "reduce", "block", "window", "pooling", "kernel", "reference_quirks"});
+  CHECK(kvevict::knob_names<kvevict::StreamingLLM::Params>() == Names{"share", "reduce", "block", "sinks"});
+  CHECK(kvevict::knob_names<kvevict::CriticalKV::Params>() ==
+        Names{"share", "reduce", "block", "window", "pooling", "kernel", "reference_quirks", "alpha", "adakv_variant",
+              "eps", "first_stage_ratio", "value_norm"});
   CHECK(kvevict::knob_names<kvevict::LayerDefensiveKV::Params>() ==
-        Names{"window", "pooling", "kernel", "reference_quirks", "mass_threshold", "value_norm", "floor", "value_term",
-              "mass_forcing"});
+        Names{"share", "reduce", "block", "window", "pooling", "kernel", "reference_quirks", "mass_threshold",
+              "value_norm", "floor", "value_term", "mass_forcing"});
 
   kvevict::Knobs k;
   k.window = 8;

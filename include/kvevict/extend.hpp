@@ -18,6 +18,7 @@
 ///   2.6-2.7 ranking, top-k     ranking/score_map.hpp           ScoreMap, Tier
 ///                              ranking/topk.hpp                KeepFlags, top_k_of_head, top_k_counts
 ///   selectors' shared steps    selectors/selector.hpp          scores_with_window, select_top_per_head
+///   8 sharing and blocks       layout/units.hpp                Grouping, group_maps, to_units, unit_budget, expand
 /// (section numbers: docs/algorithms.md)
 
 #include "kvevict/kvevict.hpp"
@@ -29,6 +30,7 @@
 #include "kvevict/allocation/layer_global.hpp"
 #include "kvevict/core/inputs.hpp"
 #include "kvevict/forcing/mass_forcing.hpp"
+#include "kvevict/layout/units.hpp"
 #include "kvevict/observation/window_attention.hpp"
 #include "kvevict/policy/contracts.hpp"
 #include "kvevict/ranking/score_map.hpp"

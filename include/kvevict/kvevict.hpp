@@ -6,7 +6,8 @@
 /// AdaKVDefensive, StreamingLLM), compositions (Policy<Base, Selector>, LayerGlobalPolicy<Selector>), the
 /// catalogue (catalogue::visit, Knobs, select_layers), the result (Selection) and errors (invalid_argument);
 /// ragged caches with original positions (LayerInputs::lengths/positions) and eviction while the cache grows
-/// (CacheBook, evict_over_budget).
+/// (CacheBook, evict_over_budget); selections shared across heads or layers and made of blocks (LayoutParams:
+/// share, reduce, block; Selection::blocks, compaction_plan) and RoPE re-rotation of kept keys (rerotate).
 /// Writing a new selector or allocation: <kvevict/extend.hpp> and docs/extending.md.
 /// Semantics of every stage: docs/algorithms.md.
 
@@ -25,6 +26,9 @@
 #include "kvevict/policy/layer_global_policy.hpp"
 #include "kvevict/policy/policy.hpp"
 #include "kvevict/policy/presets.hpp"
+
+#include "kvevict/layout/params.hpp"
+#include "kvevict/rope/rerotate.hpp"
 
 #include "kvevict/stream/cache_book.hpp"
 #include "kvevict/stream/evict.hpp"

@@ -4,11 +4,16 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "kvevict/allocation/uniform.hpp"
 #include "kvevict/core/budget.hpp"
 #include "kvevict/core/inputs.hpp"
 #include "kvevict/core/selection.hpp"
+#include "kvevict/layout/units.hpp"
 #include "kvevict/ranking/topk.hpp"
+#include "kvevict/selectors/selector.hpp"
 
 namespace kvevict {
 
@@ -17,9 +22,12 @@ namespace kvevict {
 class StreamingLLM {
  public:
   static constexpr const char* type_name = "StreamingLLM";
-  struct Params {
+  struct Params : LayoutParams {
     Index sinks = 4;
-    void validate(const char* where) const { detail::require(sinks >= 0, where, "sinks must be >= 0, got ", sinks); }
+    void validate(const char* where) const {
+      LayoutParams::validate(where);
+      detail::require(sinks >= 0, where, "sinks must be >= 0, got ", sinks);
+    }
   };
 
   StreamingLLM() = default;
@@ -57,19 +65,79 @@ class StreamingLLM {
     const std::string where = "StreamingLLM::select (layer " + std::to_string(layer) + ")";
     return select(detail::read_entries(in, where.c_str()), budget, where.c_str());
   }
+  /// Every layer at once (any `share`; per_model needs it): one Selection per layer.
+  template <class S = float, class KV, class Q, class W>
+  std::vector<Selection> select(const std::vector<LayerInputs<KV, Q, W>>& layers, const Budget& budget) const {
+    detail::require(!layers.empty(), "StreamingLLM::select", "no layer was given");
+    if (params_.share != Sharing::per_model) {
+      std::vector<Selection> out;
+      for (std::size_t l = 0; l < layers.size(); ++l) out.push_back(select(layers[l], budget, static_cast<Index>(l)));
+      return out;
+    }
+    const char* where = "StreamingLLM::select";
+    std::vector<extend::LayerShape> shapes;
+    std::vector<extend::ScoreMap<double>> maps;
+    for (const auto& in : layers) shapes.push_back(detail::read_entries(in, where));
+    const std::int64_t n_kept = n_kept_of(shapes.front(), budget, where);
+    for (const auto& shape : shapes) maps.push_back(recency_map(shape, n_kept));
+    std::vector<const extend::ScoreMap<double>*> scope;
+    for (const auto& m : maps) scope.push_back(&m);
+    const extend::Grouping grouping = extend::group_maps(scope, params_.share, params_.block, where);
+    extend::LayerBudget tokens;
+    tokens.n_kept = n_kept;
+    const auto [keep, stride] = select_units(scope, grouping, tokens, where);
+    std::vector<Selection> out;
+    for (std::size_t l = 0; l < shapes.size(); ++l)
+      out.push_back(
+          Selection::from_flags(extend::expand(keep, stride, grouping, l, shapes[l]), shapes[l], params_.block));
+    return out;
+  }
 
  private:
-  Selection select(const extend::LayerShape& shape, const Budget& budget, const char* where) const {
-    const auto n_kept = static_cast<Index>(shape.ragged() ? budget.n_kept(shape.entries(), shape.kv_heads, where)
-                                                          : budget.n_kept(shape.tokens, where));
-    extend::KeepFlags keep(static_cast<std::size_t>(shape.kv_heads * shape.tokens), 0);
+  static std::int64_t n_kept_of(const extend::LayerShape& shape, const Budget& budget, const char* where) {
+    return shape.ragged() ? budget.n_kept(shape.entries(), shape.kv_heads, where) : budget.n_kept(shape.tokens, where);
+  }
+
+  /// Rows of head h ranked by recency (score = position), its first min(sinks, min(n_kept, L_h)) rows forced.
+  extend::ScoreMap<double> recency_map(const extend::LayerShape& shape, std::int64_t n_kept) const {
+    extend::ScoreMap<double> m(shape);
     for (Index h = 0; h < shape.kv_heads; ++h) {
-      const Index L = shape.length(h), kept = std::min(n_kept, L);
-      const Index sinks = std::min(params_.sinks, kept), recent = kept - sinks;
-      for (Index j = 0; j < L; ++j)
-        keep[static_cast<std::size_t>(h * shape.tokens + j)] = (j < sinks || j >= L - recent) ? 1 : 0;
+      const Index L = shape.length(h), kept = std::min(static_cast<Index>(n_kept), L);
+      for (Index j = 0; j < L; ++j) m.at(h, j) = static_cast<double>(shape.position(h, j));
+      for (Index j = 0; j < std::min(params_.sinks, kept); ++j) m.promote(h, j, extend::Tier::forced);
     }
-    return Selection::from_flags(keep, shape);
+    return m;
+  }
+
+  /// Section 8 on one scope: unit map, unit budget, uniform allocation, each group's top blocks.
+  std::pair<extend::KeepFlags, Index> select_units(const std::vector<const extend::ScoreMap<double>*>& scope,
+                                                   const extend::Grouping& grouping, const extend::LayerBudget& tokens,
+                                                   const char* where) const {
+    extend::ScoreMap<double> units = extend::to_units(scope, grouping, params_.reduce);
+    const extend::LayerBudget budget = extend::unit_budget(tokens, grouping, where);
+    extend::KeepFlags keep;
+    extend::select_top_per_head(units, UniformAllocation().allocate(units, budget), keep);
+    return {std::move(keep), units.tokens};
+  }
+
+  Selection select(const extend::LayerShape& shape, const Budget& budget, const char* where) const {
+    detail::require(params_.share != Sharing::per_model, where,
+                    "share = per_model selects every layer at once: use select(layers, budget)");
+    const std::int64_t n_kept = n_kept_of(shape, budget, where);
+    const extend::ScoreMap<double> map = recency_map(shape, n_kept);
+    extend::KeepFlags keep;
+    if (params_.per_head_tokens()) {
+      std::vector<Index> budgets;
+      for (Index h = 0; h < shape.kv_heads; ++h)
+        budgets.push_back(std::min(static_cast<Index>(n_kept), shape.length(h)));
+      extend::select_top_per_head(map, budgets, keep);
+      return Selection::from_flags(keep, shape);
+    }
+    const extend::Grouping grouping = extend::group_maps<double>({&map}, params_.share, params_.block, where);
+    extend::LayerBudget tokens;
+    tokens.n_kept = n_kept;
+    const auto [units, stride] = select_units({&map}, grouping, tokens, where);
+    return Selection::from_flags(extend::expand(units, stride, grouping, 0, shape), shape, params_.block);
   }
 
   Params params_;

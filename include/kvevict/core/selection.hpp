@@ -16,10 +16,18 @@ namespace kvevict {
 ///   indices()    [sum of lengths]  head h's kept rows are indices()[offsets()[h] .. offsets()[h+1])
 ///   positions()  [sum of lengths]  their original token positions (the rows themselves when the layer had none)
 ///   offsets()    [kv_heads + 1]    cu_seqlens-style prefix sums, offsets()[0] == 0
-/// On a ragged layer (docs/algorithms.md section 6) rows index each head's own entries.
+/// On a ragged layer (docs/algorithms.md section 6) rows index each head's own entries. A selection made of blocks
+/// (section 8) also lists each head's kept block ids (block b = rows [bB, bB + B); the partial tail is the last).
 class Selection {
  public:
   using index_type = std::int64_t;
+
+  /// One copy of a compaction plan: `count` rows (or blocks) of KV head `head` from [from, from + count) to
+  /// [to, to + count), to < from.
+  struct Move {
+    index_type head, from, to, count;
+    bool operator==(const Move& o) const { return head == o.head && from == o.from && to == o.to && count == o.count; }
+  };
 
   /// Contiguous read-only range of one head's kept indices.
   struct HeadIndices {
@@ -42,9 +50,10 @@ class Selection {
     return from_flags(keep, shape);
   }
   /// The same on the layer of `shape` [Hkv, L] (a ragged head's flags beyond its L_h must be 0); kept positions
-  /// are read from shape.positions.
+  /// are read from shape.positions. With block > 1 the kept rows must be whole blocks of `block` rows (or a head's
+  /// tail block), and blocks() lists them.
   template <class Flag>
-  static Selection from_flags(const std::vector<Flag>& keep, const extend::LayerShape& shape) {
+  static Selection from_flags(const std::vector<Flag>& keep, const extend::LayerShape& shape, Index block = 1) {
     const Index kv_heads = shape.kv_heads, tokens = shape.tokens;
     KVEVICT_ASSERT(static_cast<Index>(keep.size()) == kv_heads * tokens);
     Selection s;
@@ -59,6 +68,16 @@ class Selection {
           s.positions_.push_back(shape.position(h, j));
         }
       s.offsets_[static_cast<std::size_t>(h) + 1] = static_cast<index_type>(s.indices_.size());
+    }
+    s.block_ = block;
+    if (block > 1) {
+      s.block_offsets_.assign(s.offsets_.size(), 0);
+      for (Index h = 0; h < kv_heads; ++h) {
+        for (index_type j : s.head(h))
+          if (s.blocks_.size() == static_cast<std::size_t>(s.block_offsets_[idx(h)]) || s.blocks_.back() != j / block)
+            s.blocks_.push_back(j / block);
+        s.block_offsets_[idx(h) + 1] = static_cast<index_type>(s.blocks_.size());
+      }
     }
     return s;
   }
@@ -98,6 +117,25 @@ class Selection {
     check_head(h);
     return {positions_.data() + offsets_[idx(h)], positions_.data() + offsets_[idx(h) + 1]};
   }
+  /// B, the rows per block (1: a token selection).
+  Index block_size() const { return block_; }
+  /// Kept block ids of every head, ascending, flat like indices() (block_offsets() [kv_heads + 1] separates the
+  /// heads); a token selection's blocks are its rows.
+  const std::vector<index_type>& blocks() const { return block_ > 1 ? blocks_ : indices_; }
+  const std::vector<index_type>& block_offsets() const { return block_ > 1 ? block_offsets_ : offsets_; }
+  HeadIndices head_blocks(Index h) const {
+    check_head(h);
+    const std::vector<index_type>& b = blocks();
+    const std::vector<index_type>& o = block_offsets();
+    return {b.data() + o[idx(h)], b.data() + o[idx(h) + 1]};
+  }
+
+  /// The copies that compact every head's kept rows to its first rows in ascending order (what compact() does),
+  /// as runs of consecutive rows, head by head, in an order safe in place; runs already in place are omitted.
+  std::vector<Move> compaction_plan() const { return runs(indices_, offsets_); }
+  /// The same in whole blocks (block mode): block runs, the tail block included.
+  std::vector<Move> block_compaction_plan() const { return runs(blocks(), block_offsets()); }
+
   /// Whether token j of head h is kept (binary search, O(log length)).
   bool kept(Index h, Index j) const {
     const HeadIndices r = head(h);
@@ -142,6 +180,20 @@ class Selection {
 
  private:
   static std::size_t idx(Index h) { return static_cast<std::size_t>(h); }
+  static std::vector<Move> runs(const std::vector<index_type>& kept, const std::vector<index_type>& offsets) {
+    std::vector<Move> moves;
+    for (std::size_t h = 0; h + 1 < offsets.size(); ++h) {
+      const auto first = static_cast<std::size_t>(offsets[h]), last = static_cast<std::size_t>(offsets[h + 1]);
+      for (std::size_t i = first; i < last;) {
+        std::size_t end = i + 1;
+        while (end < last && kept[end] == kept[end - 1] + 1) ++end;
+        const auto to = static_cast<index_type>(i - first);
+        if (kept[i] != to) moves.push_back({static_cast<index_type>(h), kept[i], to, static_cast<index_type>(end - i)});
+        i = end;
+      }
+    }
+    return moves;
+  }
   void check_head(Index h) const {
     detail::require(h >= 0 && h < heads(), "Selection", "head must be in [0, ", heads(), "), got ", h);
   }
@@ -149,7 +201,10 @@ class Selection {
   std::vector<index_type> indices_;
   std::vector<index_type> positions_;
   std::vector<index_type> offsets_;
+  std::vector<index_type> blocks_;         // block mode: kept block ids, flat
+  std::vector<index_type> block_offsets_;  // block mode: [kv_heads + 1]
   Index tokens_ = 0;
+  Index block_ = 1;
 };
 
 }  // namespace kvevict

@@ -31,6 +31,9 @@ struct Knobs {
   std::optional<Index> window, kernel;
   std::optional<Pooling> pooling;
   std::optional<bool> reference_quirks;
+  std::optional<Sharing> share;                                  // LayoutParams (every policy)
+  std::optional<Reduce> reduce;                                  // LayoutParams
+  std::optional<Index> block;                                    // LayoutParams
   std::optional<double> alpha;                                   // HeadAdaptiveAllocation
   std::optional<HeadAdaptiveAllocation::Variant> adakv_variant;  // HeadAdaptiveAllocation::Params::variant
   std::optional<Index> sinks;                                    // StreamingLLM
@@ -44,6 +47,11 @@ namespace detail {
 /// Calls f(name, knob, member pointer) for every knob that Params has.
 template <class Params, class K, class F>
 void for_each_knob(K& k, F&& f) {
+  if constexpr (std::is_base_of_v<LayoutParams, Params>) {
+    f("share", k.share, &LayoutParams::share);
+    f("reduce", k.reduce, &LayoutParams::reduce);
+    f("block", k.block, &LayoutParams::block);
+  }
   if constexpr (std::is_base_of_v<CommonParams, Params>) {
     f("window", k.window, &CommonParams::window);
     f("pooling", k.pooling, &CommonParams::pooling);
@@ -111,6 +119,7 @@ std::vector<Selection> select_layers(const P& policy, const std::vector<LayerInp
   if constexpr (detail::is_layer_global<P>::value) {
     return policy.template select<S>(layers, budget);
   } else {
+    if (policy.params().share == Sharing::per_model) return policy.template select<S>(layers, budget);
     std::vector<Selection> out;
     out.reserve(layers.size());
     for (std::size_t l = 0; l < layers.size(); ++l)

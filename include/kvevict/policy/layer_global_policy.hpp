@@ -12,6 +12,7 @@
 #include "kvevict/core/budget.hpp"
 #include "kvevict/core/inputs.hpp"
 #include "kvevict/core/selection.hpp"
+#include "kvevict/layout/units.hpp"
 #include "kvevict/policy/contracts.hpp"
 #include "kvevict/selectors/attention_selector.hpp"
 #include "kvevict/selectors/selector.hpp"
@@ -69,6 +70,7 @@ class LayerGlobalPolicy {
                                static_cast<double>(layers_.size() + 1));
       }
       layers_.push_back(std::move(scored));
+      budgets_.push_back(b);
       shapes_.push_back(shape);
       shapes_.back().positions = PositionsView();  // the engine's view may not outlive add(): the map has a copy
       total_ += shape.kv_heads * static_cast<Index>(b.n_kept);
@@ -79,6 +81,7 @@ class LayerGlobalPolicy {
     std::vector<Selection> apply() const {
       const std::string where = policy_.name_ + "::apply";
       detail::require(!layers_.empty(), where.c_str(), "no layer was added");
+      if (!policy_.params_.per_head_tokens()) return apply_layout(where);
       detail::require(total_ <= entries_, where.c_str(), "the model budget (", total_,
                       " entries: the sum over layers of kv_heads * n_kept) exceeds what the layers hold (", entries_,
                       ")");
@@ -90,18 +93,89 @@ class LayerGlobalPolicy {
       extend::KeepFlags keep;
       for (std::size_t l = 0; l < layers_.size(); ++l) {
         policy_.selector_.select(layers_[l], budgets[l], keep);
-        extend::LayerShape shape = shapes_[l];
-        const std::vector<std::int64_t>& positions = layers_[l].allocation.position;
-        if (!positions.empty()) shape.positions = positions_heads_major(positions.data(), shape.kv_heads, shape.tokens);
-        out.push_back(Selection::from_flags(keep, shape));
+        out.push_back(Selection::from_flags(keep, shape(l)));
       }
       return out;
     }
 
    private:
+    using Layer = typename SelectorType::template Layer<S>;
+
+    /// Layer l's shape with the positions of its map (the engine's view is gone after add()).
+    extend::LayerShape shape(std::size_t l) const {
+      extend::LayerShape s = shapes_[l];
+      const std::vector<std::int64_t>& positions = layers_[l].allocation.position;
+      if (!positions.empty()) s.positions = positions_heads_major(positions.data(), s.kv_heads, s.tokens);
+      return s;
+    }
+
+    /// Section 8: the groups of every layer (or the model) in units, one top-k of the model's blocks.
+    std::vector<Selection> apply_layout(const std::string& where) const {
+      const LayoutParams& layout = policy_.params_;
+      std::vector<extend::Grouping> groupings;             // one per unit map
+      std::vector<std::vector<std::size_t>> scope_layers;  // the layers of each unit map
+      if (layout.share == Sharing::per_model) {
+        std::vector<const extend::ScoreMap<S>*> maps;
+        for (const auto& l : layers_) maps.push_back(&l.allocation);
+        groupings.push_back(extend::group_maps(maps, layout.share, layout.block, where.c_str()));
+        scope_layers.emplace_back();
+        for (std::size_t l = 0; l < layers_.size(); ++l) scope_layers.back().push_back(l);
+      } else {
+        for (std::size_t l = 0; l < layers_.size(); ++l) {
+          groupings.push_back(extend::group_maps<S>({&layers_[l].allocation}, layout.share, layout.block,
+                                                    (where + " (layer " + std::to_string(l) + ")").c_str()));
+          scope_layers.push_back({l});
+        }
+      }
+      // Tokens the model keeps: n_kept per group (per_model: one group, layer 0's n_kept).
+      Index tokens = 0, tails = 0, entries = 0;
+      for (std::size_t u = 0; u < groupings.size(); ++u) {
+        const extend::LayerBudget& b = budgets_[scope_layers[u].front()];
+        detail::require(layout.block <= b.n_kept, where.c_str(), "block (", layout.block, ") must be <= n_kept (",
+                        b.n_kept, "): a budget smaller than one block keeps no whole block");
+        tokens += static_cast<Index>(groupings[u].groups.size()) * static_cast<Index>(b.n_kept);
+        tails += groupings[u].tails();
+        entries += groupings[u].entries();
+      }
+      detail::require(tokens <= entries, where.c_str(), "the model budget (", tokens, " tokens: n_kept per ",
+                      layout.share == Sharing::per_head ? "KV head" : "group", ") exceeds what the ",
+                      to_string(layout.share), " groups hold (", entries, ")");
+      std::vector<Layer> units;
+      std::vector<const extend::ScoreMap<S>*> maps;
+      units.reserve(groupings.size());
+      for (std::size_t u = 0; u < groupings.size(); ++u) {
+        std::vector<const Layer*> scope;
+        for (std::size_t l : scope_layers[u]) scope.push_back(&layers_[l]);
+        units.push_back(detail::unit_layer<SelectorType>(scope, groupings[u], layout.reduce));
+      }
+      for (Layer& u : units) {
+        // The layer-global order ranks forced and window entries alike (by recency); so must each group's own
+        // selection, or a group whose share is smaller than its forced blocks would keep other blocks than the
+        // top-k chose (in token mode every non-scored entry always fits, section 2.6).
+        for (extend::Tier& t : u.allocation.tier)
+          if (t == extend::Tier::forced) t = extend::Tier::window;
+        maps.push_back(&u.allocation);
+      }
+      const std::vector<std::vector<Index>> budgets =
+          extend::allocate_layer_global(maps, (tokens - tails) / layout.block);
+      std::vector<Selection> out(layers_.size());
+      extend::KeepFlags keep;
+      for (std::size_t u = 0; u < units.size(); ++u) {
+        policy_.selector_.select(units[u], budgets[u], keep);
+        for (std::size_t i = 0; i < scope_layers[u].size(); ++i) {
+          const std::size_t l = scope_layers[u][i];
+          const extend::LayerShape s = shape(l);
+          out[l] = Selection::from_flags(extend::expand(keep, units[u].allocation.tokens, groupings[u], i, s), s,
+                                         layout.block);
+        }
+      }
+      return out;
+    }
+
     LayerGlobalPolicy policy_;  // a copy (small): the plan may outlive the policy it came from
     Budget budget_;
-    std::vector<typename SelectorType::template Layer<S>> layers_;
+    std::vector<Layer> layers_;
+    std::vector<extend::LayerBudget> budgets_;
     std::vector<extend::LayerShape> shapes_;
     Index total_ = 0, quirk_total_ = 0, entries_ = 0;
   };

@@ -10,6 +10,7 @@
 #include "kvevict/core/budget.hpp"
 #include "kvevict/core/inputs.hpp"
 #include "kvevict/core/selection.hpp"
+#include "kvevict/layout/units.hpp"
 #include "kvevict/policy/contracts.hpp"
 #include "kvevict/policy/layer_global_policy.hpp"
 #include "kvevict/selectors/attention_selector.hpp"
@@ -71,20 +72,89 @@ class Policy {
 
   /// Selects what one layer keeps. S is the arithmetic type (float, or double to compare with a float64
   /// reference); KV, Q and W the storage types of the inputs. Throws kvevict::invalid_argument on bad shapes or
-  /// budgets, with a message that starts with "kvevict::<name>::select: ".
+  /// budgets, with a message that starts with "kvevict::<name>::select: ". `share = per_model` needs every layer:
+  /// use select(layers, budget) or plan().
   template <class S = float, class KV, class Q, class W>
   Selection select(const LayerInputs<KV, Q, W>& in, const Budget& budget) const {
-    return select_as<S>(in, budget, name_ + "::select");
+    return select_one<S>(in, budget, name_ + "::select");
   }
   /// The same for layer `layer` of a model: error messages start with "kvevict::<name>::select (layer <i>): ".
   template <class S = float, class KV, class Q, class W>
   Selection select(const LayerInputs<KV, Q, W>& in, const Budget& budget, Index layer) const {
-    return select_as<S>(in, budget, name_ + "::select (layer " + std::to_string(layer) + ")");
+    return select_one<S>(in, budget, name_ + "::select (layer " + std::to_string(layer) + ")");
+  }
+
+ private:
+  /// One layer after scoring: the selector's state, the layer's shape and token budget, and the error prefix.
+  template <class S>
+  struct Scored {
+    typename SelectorType::template Layer<S> layer;
+    extend::LayerShape shape;
+    extend::LayerBudget budget;
+    std::string where;
+    /// Points shape.positions at the map's copy of the positions (after the engine's view is gone).
+    void restore_positions() {
+      const std::vector<std::int64_t>& p = layer.allocation.position;
+      if (!p.empty()) shape.positions = positions_heads_major(p.data(), shape.kv_heads, shape.tokens);
+    }
+  };
+
+ public:
+  /// Scores layers one at a time (an engine can drop each layer's queries after add()), then apply() selects: the
+  /// way to select every layer under `share = per_model` (docs/algorithms.md section 8); with any other layout the
+  /// same as select() on each layer. Holds a copy of the policy.
+  template <class S>
+  class Plan {
+   public:
+    Plan(const Policy& policy, const Budget& budget) : policy_(policy), budget_(budget) {}
+    /// Scores the next layer (in model order); errors start with "kvevict::<name>::add (layer <i>): ".
+    template <class KV, class Q, class W>
+    void add(const LayerInputs<KV, Q, W>& in) {
+      layers_.push_back(policy_.template score_layer<S>(
+          in, budget_, policy_.name_ + "::add (layer " + std::to_string(layers_.size()) + ")"));
+      layers_.back().shape.positions = PositionsView();  // the engine's view may not outlive add(): the map has a copy
+    }
+    /// One Selection per added layer.
+    std::vector<Selection> apply() {
+      detail::require(!layers_.empty(), (policy_.name_ + "::apply").c_str(), "no layer was added");
+      for (auto& l : layers_) l.restore_positions();
+      if (policy_.params_.share == Sharing::per_model) return policy_.select_model(layers_);
+      std::vector<Selection> out;
+      for (auto& l : layers_) out.push_back(policy_.select_scored(l));
+      return out;
+    }
+
+   private:
+    Policy policy_;
+    Budget budget_;
+    std::vector<Scored<S>> layers_;
+  };
+
+  /// A plan for one model: add() every layer in order, then apply(). S is the arithmetic type.
+  template <class S = float>
+  Plan<S> plan(const Budget& budget) const {
+    return Plan<S>(*this, budget);
+  }
+
+  /// All layers at once (any `share`): one Selection per layer.
+  template <class S = float, class KV, class Q, class W>
+  std::vector<Selection> select(const std::vector<LayerInputs<KV, Q, W>>& layers, const Budget& budget) const {
+    Plan<S> p(*this, budget);
+    for (const auto& in : layers) p.add(in);
+    return p.apply();
   }
 
  private:
   template <class S, class KV, class Q, class W>
-  Selection select_as(const LayerInputs<KV, Q, W>& in, const Budget& budget, const std::string& where) const {
+  Selection select_one(const LayerInputs<KV, Q, W>& in, const Budget& budget, const std::string& where) const {
+    detail::require(params_.share != Sharing::per_model, where.c_str(),
+                    "share = per_model selects every layer at once: use select(layers, budget) or plan()");
+    Scored<S> scored = score_layer<S>(in, budget, where);
+    return select_scored(scored);
+  }
+
+  template <class S, class KV, class Q, class W>
+  Scored<S> score_layer(const LayerInputs<KV, Q, W>& in, const Budget& budget, const std::string& where) const {
     const extend::LayerShape shape = detail::validate_inputs(in, params_.window, where.c_str());
     detail::require_dense_for_quirks(shape, params_.reference_quirks, where.c_str());
     extend::LayerBudget layer = extend::layer_budget(shape, budget, where.c_str());
@@ -92,10 +162,59 @@ class Policy {
     auto scored =
         selector_.template score<S>(in, shape, static_cast<const CommonParams&>(params_), layer, where.c_str());
     detail::require_layout(scored.allocation, shape, where.c_str());
-    const std::vector<Index> budgets = allocation_.allocate(scored.allocation, layer);
+    return {std::move(scored), shape, layer, where};
+  }
+
+  /// Allocation and selection of one layer (per_head or per_layer sharing).
+  template <class S>
+  Selection select_scored(Scored<S>& s) const {
     extend::KeepFlags keep;
-    selector_.select(scored, budgets, keep);
-    return Selection::from_flags(keep, shape);
+    if (params_.per_head_tokens()) {
+      const std::vector<Index> budgets = allocation_.allocate(s.layer.allocation, s.budget);
+      selector_.select(s.layer, budgets, keep);
+      return Selection::from_flags(keep, s.shape);
+    }
+    const extend::Grouping grouping =
+        extend::group_maps<S>({&s.layer.allocation}, params_.share, params_.block, s.where.c_str());
+    const Index stride = select_units(std::vector<const Scored<S>*>{&s}, grouping, s.budget, keep);
+    return Selection::from_flags(extend::expand(keep, stride, grouping, 0, s.shape), s.shape, params_.block);
+  }
+
+  /// One kept set for every layer (per_model): one group, allocated with layer 0's token budget.
+  template <class S>
+  std::vector<Selection> select_model(std::vector<Scored<S>>& layers) const {
+    std::vector<const Scored<S>*> scope;
+    std::vector<const extend::ScoreMap<S>*> maps;
+    for (const auto& l : layers) {
+      scope.push_back(&l);
+      maps.push_back(&l.layer.allocation);
+    }
+    const std::string where = name_ + "::apply";
+    const extend::Grouping grouping = extend::group_maps(maps, params_.share, params_.block, where.c_str());
+    extend::LayerBudget budget = layers.front().budget;
+    budget.total = budget.n_kept;  // one group keeps n_kept tokens
+    extend::KeepFlags keep;
+    const Index stride = select_units(scope, grouping, budget, keep);
+    std::vector<Selection> out;
+    for (std::size_t l = 0; l < layers.size(); ++l)
+      out.push_back(Selection::from_flags(extend::expand(keep, stride, grouping, l, layers[l].shape), layers[l].shape,
+                                          params_.block));
+    return out;
+  }
+
+  /// Section 8 steps 1-4 on one scope: unit maps, unit budget, the allocation, the selector's selection phase.
+  /// Leaves the unit flags in `keep` and returns the unit map's row stride (its widest group's blocks).
+  template <class S>
+  Index select_units(const std::vector<const Scored<S>*>& scope, const extend::Grouping& grouping,
+                     const extend::LayerBudget& tokens, extend::KeepFlags& keep) const {
+    using L = typename SelectorType::template Layer<S>;
+    std::vector<const L*> layers;
+    for (const Scored<S>* s : scope) layers.push_back(&s->layer);
+    L units = detail::unit_layer<SelectorType>(layers, grouping, params_.reduce);
+    const extend::LayerBudget budget = extend::unit_budget(tokens, grouping, scope.front()->where.c_str());
+    const std::vector<Index> budgets = allocation_.allocate(units.allocation, budget);
+    selector_.select(units, budgets, keep);
+    return units.allocation.tokens;
   }
 
   static typename Allocation::Params allocation_defaults() {

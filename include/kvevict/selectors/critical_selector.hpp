@@ -3,6 +3,7 @@
 /// alone is not what matters, the output perturbation is. Two stages inside each head's budget.
 
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 #include "kvevict/aggregation/mean.hpp"
@@ -36,6 +37,12 @@ struct CriticalSelector {
     extend::ScoreMap<S> allocation;  ///< s with the window, [Hkv, L]
     extend::ScoreMap<S> critical;    ///< s' [Hkv, L]
   };
+
+  /// Both maps, for section 8's sharing and blocks.
+  template <class L>
+  static auto score_maps(L& layer) {
+    return std::tie(layer.allocation, layer.critical);
+  }
 
   CriticalSelector() = default;
   explicit CriticalSelector(const Params& p) : params_(p) {}

@@ -19,6 +19,9 @@
 ///   void select(const Layer<S>&, const std::vector<Index>& budgets, KeepFlags& keep) const;
 ///       selection phase: sizes keep to [kv_heads, tokens] and clears it (it arrives empty or holding another
 ///       layer's flags), then flags exactly budgets[h] tokens of every KV head h
+///   template <class L> static auto score_maps(L& layer);   // only if Layer<S> holds maps besides `allocation`
+///       std::tie of every ScoreMap<S> of the Layer, `allocation` first: section 8's sharing and blocks convert
+///       each of them to units (docs/algorithms.md section 8), so select() then works on groups and blocks
 /// Scoring and selection are separate so that a layer-global allocator can score every layer first, allocate
 /// across layers, then select (plan, then apply).
 
@@ -29,18 +32,24 @@
 #include "kvevict/allocation/layer_budget.hpp"
 #include "kvevict/core/error.hpp"
 #include "kvevict/core/views.hpp"
+#include "kvevict/layout/params.hpp"
 #include "kvevict/ranking/topk.hpp"
 
 namespace kvevict {
 
 /// Parameters every scored policy has (docs/algorithms.md section 2.1-2.2 defaults of the kvpress family).
-struct CommonParams {
+struct CommonParams : LayoutParams {
   Index window = 32;               ///< w, the observation window (the last w prompt positions)
   Pooling pooling = Pooling::avg;  ///< smoothing along tokens (SnapKV's LongBench setting: max, kernel 7)
   Index kernel = 5;                ///< pooling kernel, odd
   bool reference_quirks = false;   ///< reproduce the reference code's quirks (docs/algorithms.md section 2.6)
 
   void validate(const char* where) const {
+    LayoutParams::validate(where);
+    detail::require(!reference_quirks || per_head_tokens(), where,
+                    "reference_quirks reproduces the reference code, which has neither sharing nor blocks: it needs "
+                    "share = per_head and block = 1, got share = ",
+                    to_string(share), ", block = ", block);
     detail::require(window >= 1, where, "window must be >= 1, got ", window);
     detail::require(kernel >= 1 && kernel % 2 == 1, where, "kernel must be an odd number >= 1, got ", kernel);
   }

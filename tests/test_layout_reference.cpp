@@ -1,0 +1,223 @@
+// Section 8 of docs/algorithms.md (sharing, blocks, reductions) for every policy against the independent float64
+// reference of tests/support/reference_layout.hpp, row for row, on random layers (ragged per head, shared
+// positions per layer or per model), with capacity padding and original positions.
+#include <catch2/catch.hpp>
+
+#include <kvevict/kvevict.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "support/ragged_inputs.hpp"
+#include "support/random_inputs.hpp"
+#include "support/reference_layout.hpp"
+
+using kvevict::Budget;
+using kvevict::Index;
+using kvevict::Selection;
+using kvevict_test::Ragged;
+using kvevict_test::Rng;
+namespace ref = kvevict_ref::ragged;
+namespace lref = kvevict_ref::layout;
+
+namespace {
+
+std::string show(const std::vector<ref::KeptRows>& model) {
+  std::string out;
+  for (const auto& k : model) {
+    out += "[";
+    for (const auto& head : k) {
+      out += "{";
+      for (std::int64_t j : head) out += std::to_string(j) + " ";
+      out += "} ";
+    }
+    out += "] ";
+  }
+  return out;
+}
+
+std::vector<ref::KeptRows> rows_of(const std::vector<Selection>& sels) {
+  std::vector<ref::KeptRows> out;
+  for (const Selection& s : sels) {
+    ref::KeptRows k(static_cast<std::size_t>(s.heads()));
+    for (Index h = 0; h < s.heads(); ++h) k[static_cast<std::size_t>(h)].assign(s.head(h).begin(), s.head(h).end());
+    out.push_back(k);
+  }
+  return out;
+}
+
+/// NL layers; heads hold their own random positions (per_head), one set per layer (per_layer) or one per model.
+std::vector<Ragged> random_model(Rng& rng, int NL, int H, int Hkv, int w, int d, int T, double keep,
+                                 kvevict::Sharing share) {
+  std::vector<Ragged> layers;
+  for (int l = 0; l < NL; ++l) {
+    Ragged r = kvevict_test::random_ragged(rng, H, Hkv, w, d, T, keep);
+    if (share != kvevict::Sharing::per_head)
+      for (int h = 1; h < Hkv; ++h) {  // every head at head 0's positions (keys/values of head 0's length)
+        auto& head = r.heads[static_cast<std::size_t>(h)];
+        head.pos = r.heads[0].pos;
+        head.keys = kvevict_test::normal_vector(head.pos.size() * static_cast<std::size_t>(d), rng);
+        head.values = kvevict_test::normal_vector(head.pos.size() * static_cast<std::size_t>(d), rng);
+      }
+    if (share == kvevict::Sharing::per_model && l > 0)
+      for (int h = 0; h < Hkv; ++h) {
+        auto& head = r.heads[static_cast<std::size_t>(h)];
+        head.pos = layers.front().heads[0].pos;
+        head.keys = kvevict_test::normal_vector(head.pos.size() * static_cast<std::size_t>(d), rng);
+        head.values = kvevict_test::normal_vector(head.pos.size() * static_cast<std::size_t>(d), rng);
+      }
+    layers.push_back(r);
+  }
+  return layers;
+}
+
+/// When the library and the reference differ, whether every difference is a swap between blocks whose reference
+/// scores tie within rounding (1e-12 relative; mean reductions of scores computed in another order can tie exactly
+/// in value yet differ in the last bit). Returns false for any other difference.
+bool near_tie_swap(const std::vector<ref::KeptRows>& got, const std::vector<ref::KeptRows>& want, lref::Method m,
+                   const std::vector<Ragged>& model, const std::vector<std::int64_t>& n_kept,
+                   const lref::MethodParams& p, const lref::Layout& layout) {
+  if (got.size() != want.size()) return false;
+  const lref::Maps maps = lref::method_maps(m, model, n_kept, p);
+  const std::vector<lref::Group> groups = lref::make_groups(layout.share, maps.pos);
+  for (const lref::Group& g : groups) {
+    const auto [l, h] = g.members.front();
+    const auto& a = got[l][h];
+    const auto& b = want[l][h];
+    if (a == b) continue;
+    std::vector<double> only_got, only_want;
+    for (const lref::ModelMap* map : {&maps.alloc, &maps.stage2}) {
+      if (map->empty()) continue;
+      const lref::Blocks blocks =
+          lref::cut_blocks(g, lref::reduce_group(g, *map, layout.reduce), layout.block, layout.reduce);
+      for (const lref::Block& x : blocks.blocks) {
+        const auto rows_in = [&](const std::vector<std::int64_t>& rows) {
+          return std::find(rows.begin(), rows.end(), x.id * layout.block) != rows.end();
+        };
+        if (rows_in(a) == rows_in(b)) continue;
+        if (x.tier != lref::kScored) return false;
+        (rows_in(a) ? only_got : only_want).push_back(x.score);
+      }
+    }
+    if (only_got.empty() || only_want.empty()) return false;
+    for (double x : only_got)
+      for (double y : only_want)
+        if (std::abs(x - y) > 1e-12 * std::max(std::abs(x), std::abs(y))) return false;
+  }
+  return true;
+}
+
+template <class P>
+P make(typename P::Params p, int w, const kvevict::LayoutParams& layout) {
+  p.window = w;
+  static_cast<kvevict::LayoutParams&>(p) = layout;
+  return P(p);
+}
+
+lref::Layout ref_layout(const kvevict::LayoutParams& l) {
+  lref::Layout out;
+  out.share = l.share == kvevict::Sharing::per_head    ? lref::Share::per_head
+              : l.share == kvevict::Sharing::per_layer ? lref::Share::per_layer
+                                                       : lref::Share::per_model;
+  out.reduce = l.reduce == kvevict::Reduce::max ? lref::Reduce::max : lref::Reduce::mean;
+  out.block = l.block;
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("layout reference: every policy x sharing x block x reduce, random layers", "[layout][reference]") {
+  Rng rng(880);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  int compared = 0, near_ties = 0;
+  for (int trial = 0; trial < 18; ++trial) {
+    const int Hkv = 1 + trial % 3, G = 1 + (trial / 3) % 2, w = 1 + trial % 4, d = 4 + 4 * (trial % 2);
+    const int NL = 1 + trial % 3, T = 30 + 5 * trial;
+    for (kvevict::Sharing share :
+         {kvevict::Sharing::per_head, kvevict::Sharing::per_layer, kvevict::Sharing::per_model}) {
+      const std::vector<Ragged> model = random_model(rng, NL, Hkv * G, Hkv, w, d, T, 0.4 + 0.02 * trial, share);
+      if (trial % 6 == 5)  // uniform attention: ties everywhere
+        for (const Ragged& r : model) std::fill(const_cast<Ragged&>(r).q.begin(), const_cast<Ragged&>(r).q.end(), 0.0);
+      std::vector<kvevict_test::RaggedStored<double>> stored;
+      std::vector<kvevict::LayerInputs<double>> inputs;
+      Index min_entries = std::numeric_limits<Index>::max(), min_length = std::numeric_limits<Index>::max();
+      for (const Ragged& r : model) {
+        stored.push_back(kvevict_test::store<double>(r, kvevict_test::longest(r) + 3, trial % 2 == 1, nan, 7 * trial));
+        Index entries = 0;
+        for (int h = 0; h < Hkv; ++h) {
+          entries += kvevict_test::length(r, h);
+          min_length = std::min(min_length, kvevict_test::length(r, h));
+        }
+        min_entries = std::min(min_entries, entries / Hkv);
+      }
+      for (const auto& s : stored) inputs.push_back(s.in);
+      for (Index block : {Index(1), Index(2), Index(5)})
+        for (kvevict::Reduce reduce : {kvevict::Reduce::max, kvevict::Reduce::mean}) {
+          kvevict::LayoutParams layout;
+          layout.share = share;
+          layout.block = block;
+          layout.reduce = reduce;
+          for (Index n : {std::max<Index>(block, w), std::max<Index>(block, min_entries / 2), min_entries}) {
+            if (n < block || n > min_entries) continue;
+            const Budget budget = Budget::tokens(n);
+            const std::vector<std::int64_t> n_kept(model.size(), n);
+            const auto check = [&](const char* name, lref::Method m, const std::vector<Selection>& got,
+                                   lref::MethodParams p) {
+              const std::vector<ref::KeptRows> want = lref::select(m, model, n_kept, p, ref_layout(layout));
+              INFO(name << " share " << kvevict::to_string(share) << " block " << block << " reduce "
+                        << kvevict::to_string(reduce) << " n " << n << " trial " << trial);
+              INFO("got  " << show(rows_of(got)));
+              INFO("want " << show(want));
+              if (rows_of(got) != want) {
+                ++near_ties;
+                CHECK(near_tie_swap(rows_of(got), want, m, model, n_kept, p, ref_layout(layout)));
+              }
+              ++compared;
+            };
+            check("snapkv", lref::Method::snapkv,
+                  kvevict::select_layers<double>(make<kvevict::SnapKV>({}, w, layout), inputs, budget),
+                  lref::preset(lref::Method::snapkv));
+            check("adakv", lref::Method::adakv,
+                  kvevict::select_layers<double>(make<kvevict::AdaKV>({}, w, layout), inputs, budget),
+                  lref::preset(lref::Method::adakv));
+            check("criticalkv", lref::Method::criticalkv,
+                  kvevict::select_layers<double>(make<kvevict::CriticalKV>({}, w, layout), inputs, budget),
+                  lref::preset(lref::Method::criticalkv));
+            check("critical_snapkv", lref::Method::critical_snapkv,
+                  kvevict::select_layers<double>(make<kvevict::CriticalSnapKV>({}, w, layout), inputs, budget),
+                  lref::preset(lref::Method::critical_snapkv));
+            check("defensivekv", lref::Method::defensivekv,
+                  kvevict::select_layers<double>(make<kvevict::DefensiveKV>({}, w, layout), inputs, budget),
+                  lref::preset(lref::Method::defensivekv));
+            check("adakv_defensive", lref::Method::adakv_defensive,
+                  kvevict::select_layers<double>(make<kvevict::AdaKVDefensive>({}, w, layout), inputs, budget),
+                  lref::preset(lref::Method::adakv_defensive));
+            check("layer_defensivekv", lref::Method::layer_defensivekv,
+                  kvevict::select_layers<double>(make<kvevict::LayerDefensiveKV>({}, w, layout), inputs, budget),
+                  lref::preset(lref::Method::layer_defensivekv));
+            kvevict::StreamingLLM::Params sp;
+            static_cast<kvevict::LayoutParams&>(sp) = layout;
+            sp.sinks = 1 + trial % 5;
+            lref::MethodParams rp = lref::preset(lref::Method::streamingllm);
+            rp.sinks = 1 + trial % 5;
+            check("streamingllm", lref::Method::streamingllm,
+                  kvevict::select_layers<double>(kvevict::StreamingLLM(sp), inputs, budget), rp);
+            if (share != kvevict::Sharing::per_head || block == 1 ||
+                min_length == kvevict_test::longest(model.front())) {
+              kvevict::AdaKV::Params ap;
+              ap.variant = kvevict::HeadAdaptiveAllocation::Variant::original;
+              check("adakv_original", lref::Method::adakv_original,
+                    kvevict::select_layers<double>(make<kvevict::AdaKV>(ap, w, layout), inputs, budget),
+                    lref::preset(lref::Method::adakv_original));
+            }
+          }
+        }
+    }
+  }
+  CHECK(compared > 1000);
+  CHECK(near_ties * 100 < compared);  // rare: a tie broken by rounding, not a semantic difference
+}
