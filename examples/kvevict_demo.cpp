@@ -60,18 +60,30 @@ struct PolicyEntry {
   StreamEvictor stream = {};                                // the same policy while the cache grows
 };
 
-/// The catalogue's policy `base` with `knobs` applied, under `name`.
+/// The layout every policy runs with (--share, --block, --reduce; docs/algorithms.md section 8).
+kvevict::Knobs& layout_knobs() {
+  static kvevict::Knobs layout;
+  return layout;
+}
+kvevict::Knobs with_layout(kvevict::Knobs k) {
+  k.share = layout_knobs().share;
+  k.block = layout_knobs().block;
+  k.reduce = layout_knobs().reduce;
+  return k;
+}
+
+/// The catalogue's policy `base` with `knobs` (and the layout) applied, under `name`.
 PolicyEntry entry(const std::string& name, const std::string& base, const kvevict::Knobs& knobs = {},
                   bool ablation = false) {
   PolicyEntry out{name, {}, kvevict::BudgetScope::head, ablation};
   const bool found = kvevict::catalogue::visit(base, [&](const auto& e) {
     out.scope = e.scope;
-    out.compress = [policy = e.make(knobs)](const Engine& engine, const kvevict::Budget& budget) {
-      return kvevict::select_layers(policy, engine.eviction_inputs(), budget);
+    out.compress = [e, knobs](const Engine& engine, const kvevict::Budget& budget) {
+      return kvevict::select_layers(e.make(with_layout(knobs)), engine.eviction_inputs(), budget);
     };
-    out.stream = [policy = e.make(knobs)](Engine& engine, Index n, double* select_ms) {
+    out.stream = [e, knobs](Engine& engine, Index n, double* select_ms) {
       tinycode::EvictionStats stats;
-      engine.evict_over_budget(policy, n, &stats);
+      engine.evict_over_budget(e.make(with_layout(knobs)), n, &stats);
       *select_ms += stats.select_ms;
     };
   });
@@ -117,6 +129,10 @@ struct Options {
   bool stepwise = false;
   demo::Mode mode = demo::Mode::oneshot;
   Index chunk = 0;  // --chunk C; 0: the mode's default (256 chunked, 64 capped)
+  kvevict::Sharing share = kvevict::Sharing::per_head;
+  Index block = 1;
+  kvevict::Reduce reduce = kvevict::Reduce::max;
+  bool renumber = false;
   unsigned threads = std::max(1u, std::thread::hardware_concurrency());
 };
 
@@ -125,6 +141,7 @@ void usage(std::FILE* out) {
                "usage: kvevict-demo [--docs N] [--passkeys M] [--keep R[,R...]] [--policies NAME[,NAME...]]\n"
                "                    [--json FILE] [--svg FILE] [--replot FILE] [--check] [--ablations]\n"
                "                    [--model DIR] [--threads N] [--stepwise] [--mode M] [--chunk C]\n"
+               "                    [--share S] [--block B] [--reduce R] [--renumber]\n"
                "  --docs N        continuation loss on the first N of the 64 eval docs (default %d)\n"
                "  --passkeys M    passkey retrieval on the first M of the 192 records (default %d)\n"
                "  --keep LIST     keep ratios (default 0.2,0.1,0.05): n_kept = floor(keep * context length)\n"
@@ -147,6 +164,11 @@ void usage(std::FILE* out) {
                "                  continuation; passkeys: context, question, answer) in steps of C under n_kept,\n"
                "                  evicting after every step. A last step shorter than the window joins the one before\n"
                "  --chunk C       the step of chunked / capped (default 256 / 64; at least the window, 32)\n"
+               "  --share S       head (default), layer or model: which KV heads keep one common set of tokens\n"
+               "  --block B       keep or evict whole blocks of B rows (default 1: tokens), as paged caches do\n"
+               "  --reduce R      max (default) or mean: how shared heads' and a block's scores become one\n"
+               "  --renumber      after each eviction, re-rotate the kept keys to contiguous RoPE positions and\n"
+               "                  continue from each head's length (default: keep the original positions)\n"
                "  --docs 64 --passkeys 192 is the full protocol of MODEL.md.\n");
 }
 
@@ -207,6 +229,22 @@ Options parse(int argc, char** argv) {
       const int t = integer();
       if (t < 1) throw std::invalid_argument("--threads must be >= 1");
       o.threads = static_cast<unsigned>(t);
+    } else if (a == "--share") {
+      const std::string v = value();
+      if (v != "head" && v != "layer" && v != "model")
+        throw std::invalid_argument("--share must be head, layer or model, got '" + v + "'");
+      o.share = v == "head"    ? kvevict::Sharing::per_head
+                : v == "layer" ? kvevict::Sharing::per_layer
+                               : kvevict::Sharing::per_model;
+    } else if (a == "--block") {
+      o.block = integer();
+      if (o.block < 1) throw std::invalid_argument("--block must be >= 1");
+    } else if (a == "--reduce") {
+      const std::string v = value();
+      if (v != "max" && v != "mean") throw std::invalid_argument("--reduce must be max or mean, got '" + v + "'");
+      o.reduce = v == "max" ? kvevict::Reduce::max : kvevict::Reduce::mean;
+    } else if (a == "--renumber") {
+      o.renumber = true;
     } else if (a == "--mode") {
       o.mode = demo::parse_mode(value());
     } else if (a == "--chunk") {
@@ -227,6 +265,9 @@ Options parse(int argc, char** argv) {
       throw std::invalid_argument("unknown policy '" + name + "' (see --help)");
   }
   for (double k : o.keeps) kvevict::Budget::keep_ratio(k);  // validates
+  layout_knobs().share = o.share;
+  layout_knobs().block = o.block;
+  layout_knobs().reduce = o.reduce;
   return o;
 }
 
@@ -247,13 +288,17 @@ struct Outcome {
 };
 
 /// The budget contract of `policy` (see BudgetScope) on the selections it made for every layer; throws if the
-/// library handed back something the engine did not ask for. (Shapes are checked again by the cache's compact().)
+/// library handed back something the engine did not ask for. In block mode kept counts round down to whole blocks
+/// (at most the budget); shared heads (and layers) keep identical rows. (Shapes are checked again by compact().)
 void check_budget(const PolicyEntry& policy, const Engine& engine, const std::vector<kvevict::Selection>& selections,
                   Index n_kept) {
   const auto& c = engine.model().config;
   const auto fail = [&](const std::string& what) {
     throw std::logic_error(policy.name + ": " + what + " (n_kept " + std::to_string(n_kept) + ")");
   };
+  const bool blocks = layout_knobs().block.value_or(1) > 1;
+  const kvevict::Sharing share = layout_knobs().share.value_or(kvevict::Sharing::per_head);
+  const auto within = [&](Index got, Index budget) { return blocks ? got <= budget : got == budget; };
   if (static_cast<Index>(selections.size()) != c.n_layer) fail("not one selection per layer");
   Index model_total = 0;
   for (Index l = 0; l < c.n_layer; ++l) {
@@ -261,23 +306,29 @@ void check_budget(const PolicyEntry& policy, const Engine& engine, const std::ve
     if (s.heads() != c.n_kv_head) fail("layer " + std::to_string(l) + ": selection over the wrong number of heads");
     Index layer_total = 0;
     for (Index h = 0; h < s.heads(); ++h) {
-      if (policy.scope == kvevict::BudgetScope::head && s.length(h) != n_kept)
+      if (policy.scope == kvevict::BudgetScope::head && !within(s.length(h), n_kept))
         fail("layer " + std::to_string(l) + " head " + std::to_string(h) + " keeps " + std::to_string(s.length(h)));
+      const kvevict::Selection& shared =
+          selections[share == kvevict::Sharing::per_model ? 0 : static_cast<std::size_t>(l)];
+      if (share != kvevict::Sharing::per_head &&
+          !std::equal(s.head(h).begin(), s.head(h).end(), shared.head(0).begin(), shared.head(0).end()))
+        fail("layer " + std::to_string(l) + " head " + std::to_string(h) + " differs from its shared set");
       layer_total += s.length(h);
     }
-    if (policy.scope == kvevict::BudgetScope::layer && layer_total != c.n_kv_head * n_kept)
+    if (policy.scope == kvevict::BudgetScope::layer && !within(layer_total, c.n_kv_head * n_kept))
       fail("layer " + std::to_string(l) + " keeps " + std::to_string(layer_total) + " rows");
     model_total += layer_total;
   }
-  if (policy.scope == kvevict::BudgetScope::model && model_total != c.n_layer * c.n_kv_head * n_kept)
+  if (policy.scope == kvevict::BudgetScope::model && !within(model_total, c.n_layer * c.n_kv_head * n_kept))
     fail("the model keeps " + std::to_string(model_total) + " rows");
 }
 
 /// Compresses a copy of `prefilled` (a prefilled context) with `run`'s policy, then runs `after` on it.
-Outcome continue_with(const RunConfig& run, const Engine& prefilled, const tinycode::eval::Tokens& after,
-                      bool stepwise) {
+Outcome continue_with(const RunConfig& run, const Engine& prefilled, const tinycode::eval::Tokens& after, bool stepwise,
+                      bool renumber) {
   Outcome out;
   Engine engine = prefilled;  // every configuration starts from the same prefill and compresses its own copy
+  engine.renumber_positions(renumber);
   if (!run.full()) {
     const kvevict::Budget budget = kvevict::Budget::keep_ratio(run.keep);
     const auto t0 = clock_type::now();
@@ -322,7 +373,9 @@ Matrix stream(Engine& engine, const RunConfig& run, const tinycode::eval::Tokens
     const auto& book = engine.cache().book();
     const Index heads = book.layer(0).kv_heads();
     for (Index l = 0; l < book.layers(); ++l)
-      if (run.policy->scope != kvevict::BudgetScope::model && book.layer(l).entries() > heads * n)
+      if (run.policy->scope != kvevict::BudgetScope::model &&
+          layout_knobs().share.value_or(kvevict::Sharing::per_head) != kvevict::Sharing::per_model &&
+          book.layer(l).entries() > heads * n)
         throw std::logic_error(run.policy->name + ": layer " + std::to_string(l) + " holds " +
                                std::to_string(book.layer(l).entries()) + " rows after a streaming eviction to " +
                                std::to_string(n) + " per head");
@@ -345,6 +398,7 @@ Index stream_budget(const RunConfig& run) {
 Matrix run_streaming(const tinycode::Model& model, const Options& opt, const RunConfig& run,
                      const tinycode::eval::Tokens& context, const tinycode::eval::Tokens& after, Outcome& out) {
   Engine engine(model);
+  engine.renumber_positions(opt.renumber);
   const Index n = stream_budget(run);
   Matrix logits(static_cast<Index>(context.size() + after.size()), model.config.vocab);
   if (opt.mode == demo::Mode::capped) {
@@ -390,7 +444,7 @@ DocResult run_doc(const tinycode::Model& model, const tinycode::eval::Tokens& do
   const Matrix context_logits = prefilled.extend(task.context);  // full causal attention over 1536 bytes
   r.prefill_ms = ms_since(t0);
   for (const RunConfig& run : runs) {
-    Outcome o = continue_with(run, prefilled, after, stepwise);
+    Outcome o = continue_with(run, prefilled, after, stepwise, opt.renumber);
     r.loss.push_back(task.loss(context_logits, o.logits));
     r.select_ms.push_back(o.select_ms);
     r.kept.push_back(std::move(o.kept));
@@ -417,7 +471,7 @@ std::vector<char> run_passkey(const tinycode::Model& model, const tinycode::eval
   prefilled.extend(task.context);
   const auto after = task.after_inputs();
   for (const RunConfig& run : runs)
-    solved.push_back(task.solved(continue_with(run, prefilled, after, stepwise).logits));
+    solved.push_back(task.solved(continue_with(run, prefilled, after, stepwise, opt.renumber).logits));
   return solved;
 }
 
@@ -488,8 +542,9 @@ int main(int argc, char** argv) {
         for (double k : opt.keeps) runs.push_back({&p, k});
     }
 
-    std::printf("kvevict-demo: tinycode (%s), %zu (policy, keep) configurations, %u threads, mode %s\n",
-                opt.model.string().c_str(), runs.size(), opt.threads, demo::describe_mode(opt.mode, opt.chunk).c_str());
+    std::printf("kvevict-demo: tinycode (%s), %zu (policy, keep) configurations, %u threads, mode %s, %s\n",
+                opt.model.string().c_str(), runs.size(), opt.threads, demo::describe_mode(opt.mode, opt.chunk).c_str(),
+                demo::describe_layout(opt.share, opt.block, opt.reduce, opt.renumber).c_str());
     std::printf("continuation loss: docs 0..%zu (%zu of %zu; context 1536 bytes, loss over bytes 1536..2047)\n",
                 n_docs ? n_docs - 1 : 0, n_docs, docs.size());
     std::printf("passkey retrieval: records 0..%zu (%zu of %zu; context = the ~1.8 KB before the question)%s\n",
@@ -522,6 +577,10 @@ int main(int argc, char** argv) {
       r.policy = runs[c].policy->name;
       r.mode = opt.mode;
       r.chunk = static_cast<long>(opt.chunk);
+      r.share = opt.share;
+      r.block = static_cast<long>(opt.block);
+      r.reduce = opt.reduce;
+      r.renumber = opt.renumber;
       r.keep = runs[c].keep;
       r.n_kept = static_cast<long>(kvevict::Budget::keep_ratio(r.keep).n_kept(context_len));
       r.docs = static_cast<long>(n_docs);

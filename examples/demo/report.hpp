@@ -12,6 +12,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <kvevict/layout/params.hpp>
+
 #include "demo/svg_chart.hpp"
 
 namespace demo {
@@ -33,13 +35,36 @@ inline std::string describe_mode(Mode m, long chunk) {
   return m == Mode::oneshot ? std::string(to_string(m)) : std::string(to_string(m)) + " C=" + std::to_string(chunk);
 }
 
+/// "share head, tokens, original positions", "share layer, blocks of 16 (max), renumbered positions".
+inline std::string describe_layout(kvevict::Sharing share, long block, kvevict::Reduce reduce, bool renumber) {
+  const std::string s = share == kvevict::Sharing::per_head    ? "head"
+                        : share == kvevict::Sharing::per_layer ? "layer"
+                                                               : "model";
+  const std::string b = block > 1 ? "blocks of " + std::to_string(block) : std::string("tokens");
+  const bool reduces = share != kvevict::Sharing::per_head || block > 1;
+  return "share " + s + ", " + b + (reduces ? std::string(" (") + kvevict::to_string(reduce) + ")" : "") + ", " +
+         (renumber ? "renumbered" : "original") + " positions";
+}
+inline const char* share_name(kvevict::Sharing s) {
+  return s == kvevict::Sharing::per_head ? "head" : s == kvevict::Sharing::per_layer ? "layer" : "model";
+}
+inline kvevict::Sharing parse_share(const std::string& text) {
+  for (kvevict::Sharing s : {kvevict::Sharing::per_head, kvevict::Sharing::per_layer, kvevict::Sharing::per_model})
+    if (text == share_name(s)) return s;
+  throw std::invalid_argument("share must be head, layer or model, got '" + text + "'");
+}
+
 /// One (policy, keep) configuration's results, averaged over the docs (loss) or summed over the records (passkeys).
 struct Record {
   std::string policy;  // the kvevict-select policy name; "full" for the full cache
   Mode mode = Mode::oneshot;
-  long chunk = 0;   // the step of chunked / capped; 0 for oneshot
-  double keep = 1;  // keep ratio; 1 for the full cache
-  long n_kept = 0;  // floor(keep * context length)
+  long chunk = 0;                                       // the step of chunked / capped; 0 for oneshot
+  kvevict::Sharing share = kvevict::Sharing::per_head;  // the layout (docs/algorithms.md section 8)
+  long block = 1;
+  kvevict::Reduce reduce = kvevict::Reduce::max;
+  bool renumber = false;  // RoPE positions renumbered after each eviction
+  double keep = 1;        // keep ratio; 1 for the full cache
+  long n_kept = 0;        // floor(keep * context length)
   long docs = 0;
   double loss = 0;  // mean continuation NLL (nats/byte)
   std::vector<double> doc_losses;
@@ -56,6 +81,10 @@ inline nlohmann::json to_json(const Record& r) {
   return {{"policy", r.policy},
           {"mode", to_string(r.mode)},
           {"chunk", r.chunk},
+          {"share", share_name(r.share)},
+          {"block", r.block},
+          {"reduce", kvevict::to_string(r.reduce)},
+          {"renumber", r.renumber},
           {"keep", r.keep},
           {"n_kept", r.n_kept},
           {"docs", r.docs},
@@ -74,6 +103,10 @@ inline Record from_json(const nlohmann::json& j) {
   r.policy = j.at("policy").get<std::string>();
   r.mode = parse_mode(j.value("mode", std::string("oneshot")));  // files written before --mode are oneshot
   r.chunk = j.value("chunk", 0L);
+  r.share = parse_share(j.value("share", std::string("head")));  // files written before --share: the defaults
+  r.block = j.value("block", 1L);
+  r.reduce = j.value("reduce", std::string("max")) == "mean" ? kvevict::Reduce::mean : kvevict::Reduce::max;
+  r.renumber = j.value("renumber", false);
   r.keep = j.at("keep").get<double>();
   r.n_kept = j.at("n_kept").get<long>();
   r.docs = j.at("docs").get<long>();
@@ -124,6 +157,12 @@ inline void print_table(std::FILE* out, const std::vector<Record>& records) {
   if (!records.empty() && records.front().mode != Mode::oneshot)
     std::fprintf(out, "mode %s: select ms is the policy's time over the whole stream (all evictions, all layers)\n",
                  describe_mode(records.front().mode, records.front().chunk).c_str());
+  if (!records.empty() &&
+      (records.front().share != kvevict::Sharing::per_head || records.front().block > 1 || records.front().renumber))
+    std::fprintf(
+        out, "layout: %s\n",
+        describe_layout(records.front().share, records.front().block, records.front().reduce, records.front().renumber)
+            .c_str());
   std::fprintf(out, "%-17s %5s %6s %8s %8s %8s %8s %9s %10s %7s  %s\n", "policy", "keep", "n_kept", "loss", "vs full",
                "ident", "assert", "select ms", "prefill ms", "sel/pf", "kept/head mean [min, max]");
   for (const Record& r : records) {

@@ -11,7 +11,10 @@
 /// appends their keys and values to every (layer, KV head) cache and lets each new token attend to that head's
 /// cached rows and to the new tokens up to itself. On an empty cache it is the prefill; with n = 1 it is one
 /// decoding step (decode()); with a compressed cache and n > 1 it is the teacher-forced equivalent of n decoding
-/// steps (chunked decoding). Positions are original token positions: eviction never renumbers RoPE positions.
+/// steps (chunked decoding). Positions are original token positions unless renumber_positions(true): then after
+/// every eviction each head's kept keys are re-rotated to the contiguous RoPE positions 0 .. length - 1
+/// (kvevict::rerotate, docs/algorithms.md section 8) and new tokens of a KV head (keys and its group's queries) are
+/// rotated at that head's length, as StreamingLLM's position shift and llama.cpp's K-shift do.
 ///
 /// Eviction: extend() remembers, per layer, the post-RoPE queries of the last `window` positions [H, w, d].
 /// eviction_inputs(layer) hands them to kvevict together with the layer's keys and values as views over the cache
@@ -73,6 +76,16 @@ class Engine {
   /// Position of the next token = tokens run so far (the cache may hold fewer rows after eviction).
   Index next_position() const { return next_position_; }
   Index window() const { return window_; }
+  /// Whether evictions renumber the kept entries' RoPE positions contiguously (see the file comment).
+  bool renumbers_positions() const { return renumber_; }
+  void renumber_positions(bool on) { renumber_ = on; }
+  /// The model's rotary embedding as kvevict describes it (rotate-half pairs over the whole head).
+  kvevict::Rope rope() const {
+    kvevict::Rope r;
+    r.theta = model_->config.rope_theta;
+    r.layout = kvevict::RopeLayout::half;
+    return r;
+  }
   /// Forgets every token (keeps the allocations).
   void reset() {
     cache_.clear();
@@ -133,8 +146,20 @@ class Engine {
     return all;
   }
 
-  /// Keeps only the entries `selection` chose in `layer`'s cache (per KV head, original positions kept).
-  void evict(Index layer, const kvevict::Selection& selection) { cache_.compact(layer, selection); }
+  /// Keeps only the entries `selection` chose in `layer`'s cache (per KV head). With renumber_positions(true) the
+  /// kept keys are then re-rotated from their current RoPE position (their row: positions are contiguous after an
+  /// earlier renumbering; before any eviction the row is the position) to their new row.
+  void evict(Index layer, const kvevict::Selection& selection) {
+    cache_.compact(layer, selection);
+    if (!renumber_) return;
+    const Index heads = selection.heads(), rows = std::max<Index>(1, selection.max_length());
+    std::vector<std::int64_t> deltas(static_cast<std::size_t>(heads * rows), 0);  // [Hkv, rows]
+    for (Index h = 0; h < heads; ++h) {
+      Index k = 0;
+      for (const std::int64_t row : selection.head(h)) deltas[static_cast<std::size_t>(h * rows + k)] = k - row, ++k;
+    }
+    cache_.rerotate(layer, kvevict::positions_heads_major(deltas.data(), heads, rows), rope());
+  }
   /// evict() for every layer; selections [n_layer].
   void evict(const std::vector<kvevict::Selection>& selections) {
     if (static_cast<Index>(selections.size()) != model_->config.n_layer)
@@ -199,12 +224,13 @@ class Engine {
     return out;
   }
 
-  /// Rotates every head of `m` [n, heads * d] in place for positions first .. first + n - 1 (rotate-half).
-  void apply_rope(Matrix& m, Index heads, Index first) const {
+  /// Rotates heads [head, head + heads) of `m` [n, * d] in place for positions first .. first + n - 1
+  /// (rotate-half).
+  void apply_rope(Matrix& m, Index head, Index heads, Index first) const {
     const Index d = model_->config.head_dim, half = d / 2;
     for (Index i = 0; i < m.rows(); ++i) {
       const auto c = rope_cos_.row(first + i), s = rope_sin_.row(first + i);
-      for (Index h = 0; h < heads; ++h) {
+      for (Index h = head; h < head + heads; ++h) {
         auto x1 = m.row(i).segment(h * d, half);
         auto x2 = m.row(i).segment(h * d + half, half);
         const Eigen::Array<float, 1, Eigen::Dynamic> a = x1.array(), b = x2.array();
@@ -242,8 +268,11 @@ class Engine {
     Matrix q = h * w.wq.transpose();  // [n, H * d]
     Matrix k = h * w.wk.transpose();  // [n, Hkv * d]
     const Matrix v = h * w.wv.transpose();
-    apply_rope(q, c.n_head, next_position_);
-    apply_rope(k, c.n_kv_head, next_position_);
+    for (Index kh = 0; kh < c.n_kv_head; ++kh) {  // RoPE position of the new tokens: original, or the head's rows
+      const Index first = renumber_ ? cache_.length(l, kh) - n : next_position_;
+      apply_rope(q, kh * group, group, first);
+      apply_rope(k, kh, 1, first);
+    }
     remember_window_queries(l, q);
     for (Index kh = 0; kh < c.n_kv_head; ++kh)
       cache_.write_new(l, kh, k.middleCols(kh * d, d), v.middleCols(kh * d, d));
@@ -286,6 +315,7 @@ class Engine {
   Index window_;
   KVCache cache_;
   Index next_position_ = 0;
+  bool renumber_ = false;
   Index window_filled_ = 0;                         // valid rows of window_queries_ (min(window_, positions run))
   std::vector<std::vector<float>> window_queries_;  // per layer [H, window_, d]
   Matrix rope_cos_, rope_sin_;                      // [ctx, d / 2]

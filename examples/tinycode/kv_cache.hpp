@@ -76,6 +76,13 @@ class KVCache {
   kvevict::KVView<const float> key_view(Index layer) const { return view(keys_.data(), layer); }
   kvevict::KVView<const float> value_view(Index layer) const { return view(values_.data(), layer); }
 
+  /// Turns rows [0, length(h)) of each KV head h of `layer`'s keys by deltas(h, row) RoPE positions.
+  void rerotate(Index layer, const kvevict::PositionsView& deltas, const kvevict::Rope& rope) {
+    std::vector<std::int64_t> lengths;
+    for (Index h = 0; h < kv_heads_; ++h) lengths.push_back(length(layer, h));
+    kvevict::rerotate(view(keys_.data(), layer), deltas, rope, lengths.data());
+  }
+
   /// Keeps only the rows `selection` chose for each KV head of `layer` (in place, order preserved): keys, values
   /// and positions are gathered with Selection::compact, and each head's length becomes selection.length(h).
   void compact(Index layer, const kvevict::Selection& selection) {

@@ -224,3 +224,46 @@ TEST_CASE("streaming eviction on doc 0: one step is one shot and small steps sta
   SECTION("layer-defensivekv") { check(kvevict::LayerDefensiveKV{}); }
   SECTION("streamingllm") { check(kvevict::StreamingLLM{}); }
 }
+
+TEST_CASE("renumbered RoPE positions: a contiguous suffix attends as with its original positions", "[engine]") {
+  // RoPE attention depends on position differences only. Keeping each head's last n entries (StreamingLLM without
+  // sinks) and renumbering them 0 .. n-1 moves every key and every later query by the same offset, so the
+  // continuation's logits must equal those with the original positions (up to float rounding of the rotations).
+  const Doc0& d = doc0();
+  kvevict::StreamingLLM::Params p;
+  p.sinks = 0;
+  const auto logits = [&](bool renumber, const kvevict::Budget& budget) {
+    tinycode::Engine engine = d.prefilled;
+    engine.renumber_positions(renumber);
+    engine.compress(kvevict::StreamingLLM(p), budget);
+    return tinycode::Matrix(engine.extend(d.task.continuation_inputs()));
+  };
+  const tinycode::Matrix original = logits(false, kvevict::Budget::keep_ratio(0.1));
+  const tinycode::Matrix renumbered = logits(true, kvevict::Budget::keep_ratio(0.1));
+  CHECK((original - renumbered).cwiseAbs().maxCoeff() < 2e-3);
+  // With sinks the kept entries are not contiguous: renumbering changes what the model sees.
+  p.sinks = 4;
+  CHECK((logits(false, kvevict::Budget::keep_ratio(0.1)) - logits(true, kvevict::Budget::keep_ratio(0.1)))
+            .cwiseAbs()
+            .maxCoeff() > 1e-2);
+  // Keeping everything renumbers nothing: bit-identical.
+  p.sinks = 0;
+  CHECK(logits(true, kvevict::Budget::keep_ratio(1.0)) == logits(false, kvevict::Budget::keep_ratio(1.0)));
+}
+
+TEST_CASE("shared layouts on doc 0: per-layer blocks keep one set per layer within budget", "[engine]") {
+  const Doc0& d = doc0();
+  kvevict::AdaKV::Params p;
+  p.share = kvevict::Sharing::per_layer;
+  p.block = 16;
+  tinycode::Engine engine = d.prefilled;
+  const auto sels =
+      kvevict::select_layers(kvevict::AdaKV(p), engine.eviction_inputs(), kvevict::Budget::keep_ratio(0.1));
+  for (const kvevict::Selection& s : sels) {
+    CHECK(s.length(0) == 144);  // 153 rounded down to 9 blocks of 16
+    CHECK(std::equal(s.head(0).begin(), s.head(0).end(), s.head(1).begin(), s.head(1).end()));
+    CHECK(s.head_blocks(0).size() == 9);
+  }
+  engine.evict(sels);
+  CHECK(std::isfinite(d.task.loss(d.context_logits, engine.extend(d.task.continuation_inputs()))));
+}

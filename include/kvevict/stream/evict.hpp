@@ -24,12 +24,28 @@ Index window_of(const P& policy) {
   else
     return 0;
 }
+
+/// Whether P has plan<S>(budget) (scored policies; StreamingLLM selects a model with select(layers, budget)).
+template <class P, class = void>
+struct has_plan : std::false_type {};
+template <class P>
+struct has_plan<P, std::void_t<decltype(std::declval<const P&>().template plan<float>(Budget::tokens(1)))>>
+    : std::true_type {};
+
+/// Whether P selects every layer at once: a layer-global policy, or any policy with share = per_model.
+template <class P>
+bool selects_model(const P& policy) {
+  if constexpr (is_layer_global<P>::value)
+    return true;
+  else
+    return policy.params().share == Sharing::per_model;
+}
 }  // namespace detail
 
 /// Ends the current step of `book` (the tokens appended since the last call) under a budget of `n` tokens per KV
 /// head on average: every layer holding more than Hkv * n entries is evicted to Budget::tokens(n) with `policy`
-/// (for a layer-global policy: every layer, when the model holds more than the sum of Hkv * n). Returns how many
-/// layers were evicted.
+/// (for a layer-global policy or share = per_model: every layer, when the model holds more than the sum of
+/// Hkv * n). Returns how many layers were evicted.
 ///   inputs_of(l) -> LayerInputs of layer l: keys and values viewing the engine's capacity rows, the step's last w
 ///                   queries (or attention rows over each head's entries), w_o; the book adds lengths and positions.
 ///   apply(l, selection) compacts the engine's storage, normally book.layer(l).apply(selection, keys, values).
@@ -39,14 +55,10 @@ template <class S = float, class P, class Inputs, class Apply>
 Index evict_over_budget(const P& policy, CacheBook& book, Index n, Inputs&& inputs_of, Apply&& apply) {
   const Budget budget = Budget::tokens(n);
   const std::string where = policy.name() + "::evict_over_budget";
+  const bool model_wide = detail::selects_model(policy);
   std::vector<Index> due;
-  for (Index l = 0; l < book.layers(); ++l) {
-    if constexpr (detail::is_layer_global<P>::value) {
-      if (book.over_budget(n)) due.push_back(l);  // all layers or none
-    } else if (book.layer(l).over_budget(n)) {
-      due.push_back(l);
-    }
-  }
+  for (Index l = 0; l < book.layers(); ++l)
+    if (model_wide ? book.over_budget(n) : book.layer(l).over_budget(n)) due.push_back(l);  // model: all or none
   if (due.empty()) {
     book.end_step();
     return 0;
@@ -56,13 +68,20 @@ Index evict_over_budget(const P& policy, CacheBook& book, Index n, Inputs&& inpu
                   " tokens appended since the last eviction) must be at least the window (", window,
                   "): the window is the step's last w queries");
   std::vector<Selection> selections;
-  if constexpr (detail::is_layer_global<P>::value) {
-    auto plan = policy.template plan<S>(budget);
-    for (Index l : due) plan.add(book.layer(l).describe(inputs_of(l)));
-    selections = plan.apply();
+  if (model_wide) {
+    if constexpr (detail::has_plan<P>::value) {
+      auto plan = policy.template plan<S>(budget);
+      for (Index l : due) plan.add(book.layer(l).describe(inputs_of(l)));
+      selections = plan.apply();
+    } else {
+      std::vector<decltype(book.layer(0).describe(inputs_of(0)))> layers;
+      for (Index l : due) layers.push_back(book.layer(l).describe(inputs_of(l)));
+      selections = policy.template select<S>(layers, budget);
+    }
   } else {
-    for (Index l : due)
-      selections.push_back(policy.template select<S>(book.layer(l).describe(inputs_of(l)), budget, l));
+    if constexpr (!detail::is_layer_global<P>::value)
+      for (Index l : due)
+        selections.push_back(policy.template select<S>(book.layer(l).describe(inputs_of(l)), budget, l));
   }
   for (std::size_t i = 0; i < due.size(); ++i) apply(due[i], selections[i]);
   book.end_step();
