@@ -85,6 +85,25 @@ void decode_step(std::vector<CappedLayer>& layers, kvevict::CacheBook& book, con
       });
 }
 
+// ---- README: a paged cache, RoPE renumbering (keep in sync) ------------------------------------------------------
+// Pages of 16 tokens hold every KV head of a token (vLLM, TensorRT-LLM): one kept set per layer, whole pages.
+std::vector<kvevict::Selection> evict_pages(const std::vector<kvevict::LayerInputs<float>>& layers) {
+  kvevict::LayerDefensiveKV::Params p;
+  p.share = kvevict::Sharing::per_layer;  // one set for the layer's KV heads, ranked by the max of their scores
+  p.block = 16;                           // whole pages; the last, partial page is always kept
+  const kvevict::LayerDefensiveKV policy(p);
+  return policy.select(layers, kvevict::Budget::keep_ratio(0.1));  // kept[l].head_blocks(0): layer l's pages
+}
+
+// StreamingLLM's position shift, llama.cpp's K-shift: after compaction, renumber the kept keys 0 .. length - 1.
+void compact_renumbered(const kvevict::Selection& kept, kvevict::KVView<float> keys, double rope_theta) {
+  kept.compact(kvevict::KVView<const float>(keys), keys);
+  kvevict::Rope rope;  // rotate-half pairs (Hugging Face Llama) over the whole head
+  rope.theta = rope_theta;
+  kvevict::rerotate_kept(keys, kept, rope);  // row k of head h: from its original position to position k
+}
+// ----------------------------------------------------------------------------------------------------------------
+
 int main() {
   const kvevict::Index H = 8, Hkv = 2, L = 1000, d = 64, hidden = 512;
   std::mt19937 rng(7);
@@ -156,6 +175,24 @@ int main() {
     for (kvevict::Index l = 0; l < 2; ++l)
       for (kvevict::Index h = 0; h < Hkv; ++h)
         errors += book.layer(l).position(h, book.layer(l).length(h) - 1) == steps * c - 1 ? 0 : 1;
+  }
+  // Pages: every layer keeps whole pages of 16 shared by both heads, within the model budget.
+  {
+    const std::vector<kvevict::Selection> pages = evict_pages({layer, layer, layer});
+    kvevict::Index kept_rows = 0;
+    for (const auto& sel : pages) {
+      errors += std::equal(sel.head(0).begin(), sel.head(0).end(), sel.head(1).begin(), sel.head(1).end()) ? 0 : 1;
+      errors += sel.total() % (16 * Hkv) == 8 * Hkv ? 0 : 1;  // whole pages plus the partial page (1000 = 62 * 16 + 8)
+      kept_rows += sel.length(0);
+    }
+    errors += kept_rows <= 3 * 100 ? 0 : 1;
+    // Renumbering: keys kept from positions P land at 0 .. length - 1; a key rotated back by -k returns to the
+    // one compacted at its original position, rotated by -P.
+    std::vector<float> renumbered(kh_float), original(kh_float);
+    const auto view = [&](std::vector<float>& x) { return kvevict::kv_heads_major(x.data(), Hkv, L, d); };
+    compact_renumbered(pages[0], view(renumbered), 10000.0);
+    pages[0].compact(kvevict::KVView<const float>(view(original)), view(original));
+    errors += renumbered != original ? 0 : 1;  // rotated (the kept pages are not at 0 .. length - 1)
   }
   std::printf("quickstart: kept %ld of %ld tokens per KV head on average (heads: %ld, %ld), %d errors\n",
               static_cast<long>(kept.total() / Hkv), static_cast<long>(L), static_cast<long>(kept.length(0)),

@@ -14,7 +14,12 @@
 //                                 (read up to lengths[h]); absent: row j is at position j
 // Output, per layer: layers.{i}.kept_indices I64 (rows, heads concatenated, each ascending),
 //                    layers.{i}.kept_offsets I64 [Hkv + 1],
-//                    layers.{i}.kept_positions I64 (original positions, parallel to kept_indices).
+//                    layers.{i}.kept_positions I64 (original positions, parallel to kept_indices);
+//                    with --block B > 1 (docs/algorithms.md section 8) also
+//                    layers.{i}.kept_blocks I64 (kept block ids, heads concatenated, each ascending; block b = rows
+//                                               [bB, bB + B), a head's partial tail block included),
+//                    layers.{i}.kept_block_offsets I64 [Hkv + 1] (head h's blocks: [offsets[h], offsets[h + 1])).
+// Layout options (every policy): --share head|layer|model, --reduce max|mean, --block B; recorded in the metadata.
 // Any bad input: one line on stderr starting with "kvevict-select:" and exit status 1 (2 for usage errors).
 
 #include <cstdio>
@@ -44,6 +49,11 @@ int run(const kvevict::tools::Options& opt) {
     out.push_back(st::make_tensor_i64(prefix + "kept_indices", {sel.total()}, sel.indices()));
     out.push_back(st::make_tensor_i64(prefix + "kept_offsets", {sel.heads() + 1}, sel.offsets()));
     out.push_back(st::make_tensor_i64(prefix + "kept_positions", {sel.total()}, sel.positions()));
+    if (opt.block() > 1) {
+      out.push_back(st::make_tensor_i64(prefix + "kept_blocks", {static_cast<kvevict::Index>(sel.blocks().size())},
+                                        sel.blocks()));
+      out.push_back(st::make_tensor_i64(prefix + "kept_block_offsets", {sel.heads() + 1}, sel.block_offsets()));
+    }
   }
   st::write(opt.output, out, opt.metadata());
   return 0;

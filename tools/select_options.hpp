@@ -32,10 +32,22 @@ struct Options {
   bool reads_observation = true;  // what the policy reads (LayerInputs::queries or attention; values and w_o)
   bool reads_values = false;
 
+  /// B of --block (1 unless given): > 1 selects whole blocks, and the output lists their ids (kept_blocks).
+  Index block() const { return knobs.block.value_or(1); }
+
   std::map<std::string, std::string> metadata() const {
-    return {{"policy", policy},       {"base", base},
-            {"selector", selector},   {"budget", budget_text},
-            {"precision", precision}, {"reference_quirks", knobs.reference_quirks.value_or(false) ? "1" : "0"}};
+    const kvevict::Sharing share = knobs.share.value_or(kvevict::Sharing::per_head);
+    return {{"policy", policy},
+            {"base", base},
+            {"selector", selector},
+            {"budget", budget_text},
+            {"precision", precision},
+            {"reference_quirks", knobs.reference_quirks.value_or(false) ? "1" : "0"},
+            {"share", share == kvevict::Sharing::per_head    ? "head"
+                      : share == kvevict::Sharing::per_layer ? "layer"
+                                                             : "model"},
+            {"reduce", knobs.reduce.value_or(kvevict::Reduce::max) == kvevict::Reduce::max ? "max" : "mean"},
+            {"block", std::to_string(block())}};
   }
 };
 
@@ -79,6 +91,10 @@ inline std::string usage_text() {
          "  --sinks N                 StreamingLLM sink tokens (default 4)\n"
          "  --precision f32|f64       arithmetic precision (default f32)\n"
          "  --reference-quirks        reproduce the reference code's quirks (needs --compression-ratio for defensive)\n"
+         "  --share head|layer|model  KV heads keeping one common set: each head, a layer's heads, every head of\n"
+         "                            every layer (default head; shared heads must hold the same entries)\n"
+         "  --reduce max|mean         how shared heads' and a block's scores become one (default max)\n"
+         "  --block B                 keep or evict whole blocks of B rows, B >= 1 (default 1: tokens; B <= n_kept)\n"
          "  --eps E                   CriticalKV eps (default 1e-4)\n"
          "  --first-stage-ratio R     CriticalKV share of each head's budget chosen by attention (default 0.5)\n"
          "  --value-norm l1|l2        value term norm (default l1; l2 uses the W_o Gram matrix, O(L d^2))\n"
@@ -90,7 +106,9 @@ inline std::string usage_text() {
          "values, the rest is padding; default L), layers.{i}.positions [Hkv,L] (original positions, strictly\n"
          "increasing per head; default 0..L-1).\n"
          "output: layers.{i}.kept_indices I64 (kept rows, heads concatenated), layers.{i}.kept_offsets I64 [Hkv+1],\n"
-         "layers.{i}.kept_positions I64 (their original positions, parallel to kept_indices).\n";
+         "layers.{i}.kept_positions I64 (their original positions, parallel to kept_indices); with --block B > 1\n"
+         "also layers.{i}.kept_blocks I64 (kept block ids, block b = rows bB..bB+B-1, heads concatenated) and\n"
+         "layers.{i}.kept_block_offsets I64 [Hkv+1].\n";
 }
 
 inline double parse_double(const std::string& flag, const std::string& text) {
@@ -218,6 +236,21 @@ inline std::optional<Options> parse_options(int argc, char** argv) {
       o.knobs.mass_threshold = threshold;
       if (threshold < 0.0 || threshold > 1.0)
         throw usage_error("--mass-threshold must be in [0, 1], got " + std::string(argv[i]));
+    } else if (a == "--share") {
+      const std::string v = value();
+      if (v != "head" && v != "layer" && v != "model")
+        throw usage_error("--share must be head, layer or model, got '" + v + "'");
+      o.knobs.share = v == "head"    ? kvevict::Sharing::per_head
+                      : v == "layer" ? kvevict::Sharing::per_layer
+                                     : kvevict::Sharing::per_model;
+    } else if (a == "--reduce") {
+      const std::string v = value();
+      if (v != "max" && v != "mean") throw usage_error("--reduce must be max or mean, got '" + v + "'");
+      o.knobs.reduce = v == "max" ? kvevict::Reduce::max : kvevict::Reduce::mean;
+    } else if (a == "--block") {
+      const Index block = parse_int(a, value());
+      o.knobs.block = block;
+      if (block < 1) throw usage_error("--block must be >= 1, got " + std::string(argv[i]));
     } else if (a == "--no-floor") {
       o.knobs.floor = false;
     } else if (a.size() > 1 && a[0] == '-') {

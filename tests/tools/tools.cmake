@@ -1,4 +1,5 @@
-# kvevict-select end to end: float64 agreement with the reference, every dtype, every bad-input path.
+# kvevict-select end to end: float64 agreement with the reference, every dtype, every bad-input path; every
+# tests/tools/test_*.cpp (test_select_cli.cpp, _ragged, _selectors, _layout: --share/--reduce/--block) is built in.
 if(TARGET kvevict-select)
   find_package(nlohmann_json 3 REQUIRED)
   file(GLOB KVEVICT_CLI_TEST_SOURCES CONFIGURE_DEPENDS ${CMAKE_CURRENT_LIST_DIR}/test_*.cpp)
