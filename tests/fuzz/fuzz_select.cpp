@@ -43,6 +43,15 @@ void check_selections(const st::file& in, const std::vector<kvevict::Selection>&
       total += s.length(h);
     }
     if (total != s.total() || total != static_cast<kvevict::Index>(s.indices().size())) std::abort();
+    // Block mode (docs/algorithms.md section 8): each head's kept block ids are its kept rows / B, ascending.
+    if (s.block_size() > 1)
+      for (kvevict::Index h = 0; h < s.heads(); ++h) {
+        std::vector<std::int64_t> want;
+        for (std::int64_t j : s.head(h))
+          if (want.empty() || want.back() != j / s.block_size()) want.push_back(j / s.block_size());
+        const auto got = s.head_blocks(h);
+        if (std::vector<std::int64_t>(got.begin(), got.end()) != want) std::abort();
+      }
   }
 }
 

@@ -137,6 +137,16 @@ def main():
     sel("ragged_positions_not_increasing", ["--policy", "snapkv", "--budget", "3"],
         layer_tensors(rng, 0, 4, 2, 3, 12, 4, 8) + [("layers.0.positions", "I64", [2, 12], [5] * 24)])
 
+    # ---- layouts (docs/algorithms.md section 8): shared sets, whole blocks, reductions (own generator) ----
+    lay = random.Random(8)
+    shared = layer_tensors(lay, 0, 4, 2, 3, 20, 4, 8) + layer_tensors(lay, 1, 4, 2, 3, 20, 4, 8)
+    sel("layout_layer_block", ["--policy", "layer-defensivekv", "--budget", "9", "--share", "layer", "--block", "4"],
+        shared)
+    sel("layout_model_mean", ["--policy", "criticalkv", "--budget", "8", "--share", "model", "--block", "3",
+                              "--reduce", "mean"], shared)
+    sel("layout_head_block", ["--policy", "streamingllm", "--budget", "8", "--block", "5"], shared)
+    sel("layout_ragged_shared", ["--policy", "adakv", "--budget", "4", "--share", "layer"], rag)  # refused
+
 
 if __name__ == "__main__":
     main()

@@ -124,15 +124,17 @@ class StreamingLLM {
     detail::require(params_.share != Sharing::per_model, where,
                     "share = per_model selects every layer at once: use select(layers, budget)");
     const std::int64_t n_kept = n_kept_of(shape, budget, where);
-    const extend::ScoreMap<double> map = recency_map(shape, n_kept);
-    extend::KeepFlags keep;
-    if (params_.per_head_tokens()) {
-      std::vector<Index> budgets;
-      for (Index h = 0; h < shape.kv_heads; ++h)
-        budgets.push_back(std::min(static_cast<Index>(n_kept), shape.length(h)));
-      extend::select_top_per_head(map, budgets, keep);
+    if (params_.per_head_tokens()) {  // recency_map's top b_h per head in closed form: O(L), no ranking
+      extend::KeepFlags keep(static_cast<std::size_t>(shape.kv_heads * shape.tokens), 0);
+      for (Index h = 0; h < shape.kv_heads; ++h) {
+        const Index L = shape.length(h), kept = std::min(static_cast<Index>(n_kept), L);
+        const Index sinks = std::min(params_.sinks, kept), recent = kept - sinks;
+        for (Index j = 0; j < L; ++j)
+          keep[static_cast<std::size_t>(h * shape.tokens + j)] = (j < sinks || j >= L - recent) ? 1 : 0;
+      }
       return Selection::from_flags(keep, shape);
     }
+    const extend::ScoreMap<double> map = recency_map(shape, n_kept);
     const extend::Grouping grouping = extend::group_maps<double>({&map}, params_.share, params_.block, where);
     extend::LayerBudget tokens;
     tokens.n_kept = n_kept;
