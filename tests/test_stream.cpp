@@ -232,3 +232,38 @@ TEST_CASE("stream: a step shorter than the window, or over the capacity, changes
   CHECK(eng.book.layer(1).entries() == 16);
   REQUIRE_THROWS_MATCHES(kvevict::LayerBook(0, 4), kvevict::invalid_argument, MessageContains("kv_heads >= 1"));
 }
+
+TEST_CASE("stream: shared and block layouts stay shared, whole and within budget while the cache grows",
+          "[stream][layout]") {
+  Rng rng(703);
+  const int Hkv = 2, G = 2, w = 4, T = 160;
+  const Source s = random_source(rng, 3, Hkv * G, Hkv, 8, T);
+  const Index n = 24;
+  for (kvevict::Sharing share : {kvevict::Sharing::per_layer, kvevict::Sharing::per_model})
+    for (Index block : {Index(1), Index(8)}) {
+      kvevict::Knobs k = window_knob(w);
+      k.share = share;
+      k.block = block;
+      kvevict::catalogue::for_each(kvevict::catalogue::entries(), [&](const auto& e) {
+        INFO(e.name << " share " << kvevict::to_string(share) << " block " << block);
+        const auto policy = e.make(k);
+        Engine eng(s, T, w);
+        Index evictions = 0;
+        while (eng.book.next_position() < T) {
+          eng.step(std::min<Index>(20, T - eng.book.next_position()));
+          evictions += eng.evict(policy, n);
+          for (int l = 0; l < s.NL; ++l) {
+            // Every head of the layer (per_model: of the model) holds the same positions.
+            const std::vector<std::int64_t> first = eng.held(share == kvevict::Sharing::per_model ? 0 : l, 0);
+            for (int h = 0; h < Hkv; ++h) CHECK(eng.held(l, h) == first);
+          }
+          // Shared: n tokens per layer (per_model: n for the model), whole blocks rounding down.
+          if (evictions > 0 && eng.book.step() == 0)
+            for (int l = 0; l < s.NL; ++l)
+              if (!std::decay_t<decltype(e)>::layer_global || share == kvevict::Sharing::per_model)
+                CHECK(eng.book.layer(l).length(0) <= n);
+        }
+        CHECK(evictions > 0);
+      });
+    }
+}
