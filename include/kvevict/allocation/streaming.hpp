@@ -76,21 +76,8 @@ class StreamingLLM {
     }
     const char* where = "StreamingLLM::select";
     std::vector<extend::LayerShape> shapes;
-    std::vector<extend::ScoreMap<double>> maps;
     for (const auto& in : layers) shapes.push_back(detail::read_entries(in, where));
-    const std::int64_t n_kept = n_kept_of(shapes.front(), budget, where);
-    for (const auto& shape : shapes) maps.push_back(recency_map(shape, n_kept));
-    std::vector<const extend::ScoreMap<double>*> scope;
-    for (const auto& m : maps) scope.push_back(&m);
-    const extend::Grouping grouping = extend::group_maps(scope, params_.share, params_.block, where);
-    extend::LayerBudget tokens;
-    tokens.n_kept = n_kept;
-    const auto [keep, stride] = select_units(scope, grouping, tokens, where);
-    std::vector<Selection> out;
-    for (std::size_t l = 0; l < shapes.size(); ++l)
-      out.push_back(
-          Selection::from_flags(extend::expand(keep, stride, grouping, l, shapes[l]), shapes[l], params_.block));
-    return out;
+    return select_scope(shapes, n_kept_of(shapes.front(), budget, where), where);
   }
 
  private:
@@ -109,15 +96,26 @@ class StreamingLLM {
     return m;
   }
 
-  /// Section 8 on one scope: unit map, unit budget, uniform allocation, each group's top blocks.
-  std::pair<extend::KeepFlags, Index> select_units(const std::vector<const extend::ScoreMap<double>*>& scope,
-                                                   const extend::Grouping& grouping, const extend::LayerBudget& tokens,
-                                                   const char* where) const {
+  /// Section 8 on one scope (one layer, or every layer for per_model): the layers' recency maps in units, the
+  /// budget in blocks, the uniform allocation, each group's top blocks, back to one Selection per layer.
+  std::vector<Selection> select_scope(const std::vector<extend::LayerShape>& shapes, std::int64_t n_kept,
+                                      const char* where) const {
+    std::vector<extend::ScoreMap<double>> maps;
+    std::vector<const extend::ScoreMap<double>*> scope;
+    for (const auto& shape : shapes) maps.push_back(recency_map(shape, n_kept));
+    for (const auto& m : maps) scope.push_back(&m);
+    const extend::Grouping grouping = extend::group_maps(scope, params_.share, params_.block, where);
     extend::ScoreMap<double> units = extend::to_units(scope, grouping, params_.reduce);
-    const extend::LayerBudget budget = extend::unit_budget(tokens, grouping, where);
+    extend::LayerBudget tokens;
+    tokens.n_kept = n_kept;
     extend::KeepFlags keep;
-    extend::select_top_per_head(units, UniformAllocation().allocate(units, budget), keep);
-    return {std::move(keep), units.tokens};
+    extend::select_top_per_head(
+        units, UniformAllocation().allocate(units, extend::unit_budget(tokens, grouping, where)), keep);
+    std::vector<Selection> out;
+    for (std::size_t l = 0; l < shapes.size(); ++l)
+      out.push_back(
+          Selection::from_flags(extend::expand(keep, units.tokens, grouping, l, shapes[l]), shapes[l], params_.block));
+    return out;
   }
 
   Selection select(const extend::LayerShape& shape, const Budget& budget, const char* where) const {
@@ -134,12 +132,7 @@ class StreamingLLM {
       }
       return Selection::from_flags(keep, shape);
     }
-    const extend::ScoreMap<double> map = recency_map(shape, n_kept);
-    const extend::Grouping grouping = extend::group_maps<double>({&map}, params_.share, params_.block, where);
-    extend::LayerBudget tokens;
-    tokens.n_kept = n_kept;
-    const auto [units, stride] = select_units({&map}, grouping, tokens, where);
-    return Selection::from_flags(extend::expand(units, stride, grouping, 0, shape), shape, params_.block);
+    return select_scope({shape}, n_kept, where).front();
   }
 
   Params params_;

@@ -103,10 +103,7 @@ class LayerGlobalPolicy {
 
     /// Layer l's shape with the positions of its map (the engine's view is gone after add()).
     extend::LayerShape shape(std::size_t l) const {
-      extend::LayerShape s = shapes_[l];
-      const std::vector<std::int64_t>& positions = layers_[l].allocation.position;
-      if (!positions.empty()) s.positions = positions_heads_major(positions.data(), s.kv_heads, s.tokens);
-      return s;
+      return detail::with_map_positions(shapes_[l], layers_[l].allocation);
     }
 
     /// Section 8: the groups of every layer (or the model) in units, one top-k of the model's blocks.

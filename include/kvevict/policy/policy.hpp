@@ -93,10 +93,7 @@ class Policy {
     extend::LayerBudget budget;
     std::string where;
     /// Points shape.positions at the map's copy of the positions (after the engine's view is gone).
-    void restore_positions() {
-      const std::vector<std::int64_t>& p = layer.allocation.position;
-      if (!p.empty()) shape.positions = positions_heads_major(p.data(), shape.kv_heads, shape.tokens);
-    }
+    void restore_positions() { shape = detail::with_map_positions(shape, layer.allocation); }
   };
 
  public:

@@ -122,4 +122,12 @@ void require_layout(const extend::ScoreMap<S>& map, const extend::LayerShape& sh
           "] with its lengths and positions: build it with ScoreMap(shape) or ScoreMap::with_window(scores, shape)");
 }
 
+/// `shape` with its positions viewing the map's copy of them: a plan keeps the map after add(), not the engine's view.
+template <class S>
+extend::LayerShape with_map_positions(extend::LayerShape shape, const extend::ScoreMap<S>& map) {
+  shape.positions =
+      map.position.empty() ? PositionsView() : positions_heads_major(map.position.data(), shape.kv_heads, shape.tokens);
+  return shape;
+}
+
 }  // namespace kvevict::detail
