@@ -741,6 +741,20 @@ inline Allocation allocation_of(Method m) {
   return Allocation::uniform;
 }
 
+// The ragged reference's DefensiveKV parameters of `p` (alpha included: the safeguard of a per-layer allocation).
+inline ragged::DefensiveParams defensive_params(const MethodParams& p) {
+  ragged::DefensiveParams dp;
+  dp.mass_threshold = p.mass_threshold;
+  dp.value_norm = p.value_norm;
+  dp.kernel = p.kernel;
+  dp.pool = p.pool;
+  dp.value_term = p.value_term;
+  dp.mass_forcing = p.mass_forcing;
+  dp.floor = p.floor;
+  dp.alpha = p.alpha;
+  return dp;
+}
+
 // The maps of every layer for method m (n_kept[l] sets layer l's mass-forcing cap and StreamingLLM's sinks).
 inline Maps method_maps(Method m, const std::vector<ragged::Layer>& layers, const std::vector<std::int64_t>& n_kept,
                         const MethodParams& p) {
@@ -774,15 +788,7 @@ inline Maps method_maps(Method m, const std::vector<ragged::Layer>& layers, cons
       case Method::defensivekv:
       case Method::adakv_defensive:
       case Method::layer_defensivekv: {
-        ragged::DefensiveParams dp;
-        dp.mass_threshold = p.mass_threshold;
-        dp.value_norm = p.value_norm;
-        dp.kernel = p.kernel;
-        dp.pool = p.pool;
-        dp.value_term = p.value_term;
-        dp.mass_forcing = p.mass_forcing;
-        dp.floor = p.floor;
-        dp.alpha = 0.0;  // not read by the scoring
+        const ragged::DefensiveParams dp = defensive_params(p);  // alpha is not read by the scoring
         KeptRows forced;
         const Ragged sprime = ragged::defensive_layer_scores(layer, n_kept[l], dp, forced);
         maps.alloc.push_back(token_map(sprime, pos, layer.w, forced));

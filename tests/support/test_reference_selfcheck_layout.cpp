@@ -593,15 +593,7 @@ std::vector<Case> cases() {
 // The ragged reference's selection for a case, all layers.
 Model ragged_select(const Case& c, const std::vector<rg::Layer>& layers, const std::vector<std::int64_t>& n_kept) {
   const ly::MethodParams& p = c.params;
-  rg::DefensiveParams dp;
-  dp.mass_threshold = p.mass_threshold;
-  dp.value_norm = p.value_norm;
-  dp.kernel = p.kernel;
-  dp.pool = p.pool;
-  dp.value_term = p.value_term;
-  dp.mass_forcing = p.mass_forcing;
-  dp.floor = p.floor;
-  dp.alpha = p.alpha;
+  rg::DefensiveParams dp = ly::defensive_params(p);
   if (c.method == Method::layer_defensivekv) {
     dp.alpha = 0.0;
     return rg::layer_defensivekv(layers, n_kept, dp);
