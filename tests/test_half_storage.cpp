@@ -55,3 +55,37 @@ TEMPLATE_TEST_CASE(
     same_as_float_storage<kvevict::DefensiveKV, T>("defensivekv", l, n_kept, layout);
   }
 }
+
+TEMPLATE_TEST_CASE(
+    "half storage: window attention rows and value norms equal float storage bit for bit across the key blocks "
+    "they are converted in",
+    "[views][half]", Eigen::half, Eigen::bfloat16) {
+  using T = TestType;
+  namespace ext = kvevict::extend;
+  Rng rng(57);
+  // Keys and values are converted 256 rows at a time (the last block up to 511): contexts around those edges.
+  for (int L : {40, 255, 256, 257, 511, 512, 513, 767, 768, 1100}) {
+    Shape s;
+    s.H = 4, s.Hkv = 2, s.w = 8, s.L = L, s.d = 24;
+    const VLayer l = kvevict_test::rounded_to<T>(kvevict_test::random_vlayer(s, 20, rng));
+    const Layout layout = L % 2 ? Layout::heads_major : Layout::tokens_major;
+    const auto narrow = kvevict_test::store_v<T>(l, layout);
+    const auto wide = kvevict_test::store_v<float>(l, layout);
+    INFO(kvevict_test::describe(s));
+    const auto shape = kvevict::detail::validate_inputs(wide.in, s.w, "test");
+    std::vector<kvevict::RowMatrix<float>> rows_wide;
+    ext::observe<float>(wide.in, shape).for_each_head([&](kvevict::Index, const kvevict::RowMatrix<float>& rows) {
+      rows_wide.push_back(rows);
+    });
+    std::size_t q = 0;
+    ext::observe<float>(narrow.in, shape).for_each_head([&](kvevict::Index, const kvevict::RowMatrix<float>& rows) {
+      CHECK((rows.array() == rows_wide[q++].array()).all());
+    });
+    for (auto norm : {kvevict::ValueNorm::l1, kvevict::ValueNorm::l2}) {
+      const auto gram = kvevict::OutputGram<float>::compute(wide.in.w_o);
+      const auto a = ext::value_norms<float>(narrow.in.values, narrow.in.w_o, shape, norm, &gram);
+      const auto b = ext::value_norms<float>(wide.in.values, wide.in.w_o, shape, norm, &gram);
+      CHECK((a.array() == b.array()).all());
+    }
+  }
+}

@@ -7,6 +7,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "kvevict/core/convert.hpp"
 #include "kvevict/core/inputs.hpp"
 #include "kvevict/core/parallel.hpp"
 #include "kvevict/core/views.hpp"
@@ -44,12 +45,36 @@ void require_finite_entries(const KVView<const T>& v, const extend::LayerShape& 
       v, where, name, [&](Index h) { return shape.length(h); }, [&](Index) { return v.cols(); });
 }
 
-/// rows [w, L] = softmax(q_win k^T / sqrt(d)) with the causal mask inside the window; q_win [w, d], k [L, d] in S.
+/// Keys enter the window-attention product in blocks of kKeyBlock rows (the last block takes the remainder, up to
+/// 2 kKeyBlock - 1 rows). Keys stored in another type than S are converted one block at a time into a [block, d]
+/// buffer that stays in cache, never as a whole [L, d] copy (a half or bfloat16 cache costs no extra pass over
+/// memory); keys stored as S go through the same blocks, so that every storage type holding the same values gives
+/// the same products bit for bit (a GEMM's rounding can depend on where a column falls in the product).
+constexpr Index kKeyBlock = 256;
+
+/// logits [w, L] = q_win k^T, q_win [w, d] in S, k [L, d] in its storage type; `buffer` is reused scratch.
 template <class S, class QMat, class KMat>
-void softmax_window_rows(const QMat& q_win, const KMat& k, RowMatrix<S>& rows) {
+void window_logits(const QMat& q_win, const KMat& k, RowMatrix<S>& logits, RowMatrix<S>& buffer) {
+  const Index L = k.rows();
+  logits.resize(q_win.rows(), L);
+  for (Index j0 = 0; j0 < L;) {
+    const Index n = L - j0 < 2 * kKeyBlock ? L - j0 : kKeyBlock;
+    if constexpr (std::is_same_v<typename KMat::Scalar, S>) {
+      logits.middleCols(j0, n).noalias() = q_win * k.middleRows(j0, n).transpose();
+    } else {
+      convert_rows<S>(k.middleRows(j0, n), buffer);
+      logits.middleCols(j0, n).noalias() = q_win * buffer.transpose();
+    }
+    j0 += n;
+  }
+}
+
+/// rows [w, L] = softmax(q_win k^T / sqrt(d)) with the causal mask inside the window; q_win [w, d] in S, k [L, d]
+/// in its storage type (converted block by block, window_logits).
+template <class S, class QMat, class KMat>
+void softmax_window_rows(const QMat& q_win, const KMat& k, RowMatrix<S>& rows, RowMatrix<S>& buffer) {
   const Index w = q_win.rows(), L = k.rows(), P = L - w;
-  rows.resize(w, L);
-  rows.noalias() = q_win * k.transpose();
+  window_logits<S>(q_win, k, rows, buffer);
   const S scale = std::sqrt(static_cast<S>(k.cols()));
   for (Index i = 0; i < w; ++i) {
     const Index visible = P + i + 1;  // causal: keys [0, P + i]
@@ -85,11 +110,12 @@ void window_attention(const HeadsView<const Q>& queries, const KVView<const KV>&
                       RowMatrix<S>& rows, Index length = -1) {
   static_assert(std::is_floating_point_v<S>, "window_attention: arithmetic type must be float or double");
   const Index h = q / group, L = length < 0 ? keys.rows() : length;
-  if constexpr (std::is_same_v<S, KV>) {
-    detail::softmax_window_rows<S>(detail::as_arithmetic<S>(queries.head(q)), keys.head(h).topRows(L), rows);
+  RowMatrix<S> buffer;
+  if constexpr (std::is_same_v<std::remove_const_t<Q>, S>) {
+    detail::softmax_window_rows<S>(queries.head(q), keys.head(h).topRows(L), rows, buffer);
   } else {
-    const RowMatrix<S> k = keys.head(h).topRows(L).template cast<S>();
-    detail::softmax_window_rows<S>(detail::as_arithmetic<S>(queries.head(q)), k, rows);
+    const RowMatrix<S> q_win = queries.head(q).template cast<S>();
+    detail::softmax_window_rows<S>(q_win, keys.head(h).topRows(L), rows, buffer);
   }
 }
 
@@ -129,22 +155,21 @@ class WindowObservation {
   void for_each_head(F&& f) const {
     const Index G = shape_.group;
     struct Scratch {
-      RowMatrix<S> rows, keys;  // [w, L]; the KV head's keys in S [L, d] when stored otherwise
+      RowMatrix<S> rows, queries, buffer;  // [w, L]; [w, d] in S when stored otherwise; a block of keys in S
     };
     detail::parallel_for_with<Scratch>(shape_.kv_heads, [&](Index h, Scratch& scratch) {
       RowMatrix<S>& rows = scratch.rows;
-      if constexpr (!std::is_same_v<S, KV>) {
-        if (from_queries_) {  // convert the KV head's keys once for its G query heads
-          scratch.keys = keys_.head(h).topRows(shape_.length(h)).template cast<S>();
-          for (Index q = h * G; q < (h + 1) * G; ++q) {
-            detail::softmax_window_rows<S>(detail::as_arithmetic<S>(queries_.head(q)), scratch.keys, rows);
-            f(q, static_cast<const RowMatrix<S>&>(rows));
-          }
-          return;
-        }
-      }
       for (Index q = h * G; q < (h + 1) * G; ++q) {
-        head_rows(q, rows);
+        if (!from_queries_) {
+          head_rows(q, rows);
+        } else if constexpr (std::is_same_v<std::remove_const_t<Q>, S>) {
+          detail::softmax_window_rows<S>(queries_.head(q), keys_.head(h).topRows(shape_.length(h)), rows,
+                                         scratch.buffer);
+        } else {
+          scratch.queries = queries_.head(q).template cast<S>();
+          detail::softmax_window_rows<S>(scratch.queries, keys_.head(h).topRows(shape_.length(h)), rows,
+                                         scratch.buffer);
+        }
         f(q, static_cast<const RowMatrix<S>&>(rows));
       }
     });

@@ -7,6 +7,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kvevict/core/convert.hpp"
 #include "kvevict/core/error.hpp"
 #include "kvevict/core/inputs.hpp"
 #include "kvevict/core/parallel.hpp"
@@ -16,15 +17,27 @@
 
 namespace kvevict::detail {
 
-/// Adds || V_h[j] (W^q)^T ||_p to out[j] for the L rows of one KV head, in blocks of rows so that the [L, D]
-/// projection is never materialised (extra memory O(block * D): `proj`, reused).
+/// `rows` [n, d] of a view in the arithmetic type S: itself when stored as S, else converted into `buffer` (one
+/// block at a time: a half or bfloat16 cache is never copied whole).
+template <class S, class Block>
+decltype(auto) block_in(const Block& rows, RowMatrix<S>& buffer) {
+  if constexpr (std::is_same_v<typename Block::Scalar, S>) {
+    return Block(rows);  // an Eigen view, by value
+  } else {
+    convert_rows<S>(rows, buffer);
+    return static_cast<const RowMatrix<S>&>(buffer);
+  }
+}
+
+/// Adds || V_h[j] (W^q)^T ||_1 to out[j] for the L rows of one KV head (v in its storage type), in blocks of rows
+/// so that the [L, D] projection is never materialised (extra memory O(block * D): `proj`, reused).
 template <class S, class VMat, class WMat>
-void accumulate_l1_norms(const VMat& v, const WMat& w, S* out, RowMatrix<S>& proj) {
+void accumulate_l1_norms(const VMat& v, const WMat& w, S* out, RowMatrix<S>& proj, RowMatrix<S>& buffer) {
   constexpr Index block = 128;
   const Index L = v.rows();
   for (Index j0 = 0; j0 < L; j0 += block) {
     const Index n = std::min(block, L - j0);
-    proj.noalias() = v.middleRows(j0, n) * w.transpose();  // [n, D]
+    proj.noalias() = block_in<S>(v.middleRows(j0, n), buffer) * w.transpose();  // [n, D]
     for (Index r = 0; r < n; ++r) out[j0 + r] += proj.row(r).cwiseAbs().sum();
   }
 }
@@ -46,21 +59,20 @@ RowMatrix<S> value_norms(const KVView<const KV>& values, const HeadsView<const W
   RowMatrix<S> n = RowMatrix<S>::Zero(Hkv, longest);
   KVEVICT_ASSERT(norm == ValueNorm::l1 || gram != nullptr);
   struct Scratch {
-    RowMatrix<S> v, w, grams,
-        projected;  // [L, d]; L1: W_o^q [D, d] (unless stored in S), [block, D]; L2: [d, G d], [block, G d]
+    RowMatrix<S> v, w, grams, projected;  // a block of values in S (when stored otherwise) [block, d]; L1: W_o^q
+                                          // [D, d] (unless stored in S), [block, D]; L2: [d, G d], [block, G d]
   };
   // KV heads in parallel with KVEVICT_OPENMP; each writes row h of n only.
   detail::parallel_for_with<Scratch>(Hkv, [&](Index h, Scratch& scratch) {
-    RowMatrix<S>& v = scratch.v;
     const Index L = length_of(h);
-    v = values.head(h).topRows(L).template cast<S>();
+    const auto v = values.head(h).topRows(L);  // in its storage type: converted block by block
     if (norm == ValueNorm::l1) {
       for (Index g = 0; g < group; ++g) {
         if constexpr (std::is_same_v<std::remove_const_t<W>, S>) {
-          detail::accumulate_l1_norms<S>(v, w_o.head(h * group + g), n.row(h).data(), scratch.projected);
+          detail::accumulate_l1_norms<S>(v, w_o.head(h * group + g), n.row(h).data(), scratch.projected, scratch.v);
         } else {
           scratch.w = w_o.head(h * group + g).template cast<S>();
-          detail::accumulate_l1_norms<S>(v, scratch.w, n.row(h).data(), scratch.projected);
+          detail::accumulate_l1_norms<S>(v, scratch.w, n.row(h).data(), scratch.projected, scratch.v);
         }
       }
       return;
@@ -74,15 +86,12 @@ RowMatrix<S> value_norms(const KVView<const KV>& values, const HeadsView<const W
     constexpr Index block = 256;
     for (Index j0 = 0; j0 < L; j0 += block) {
       const Index rows = std::min(block, L - j0);
-      scratch.projected.noalias() = v.middleRows(j0, rows) * grams;
+      const auto& vb = detail::block_in<S>(v.middleRows(j0, rows), scratch.v);
+      scratch.projected.noalias() = vb * grams;
       for (Index g = 0; g < group; ++g)
-        n.row(h).segment(j0, rows) += (scratch.projected.middleCols(g * d, d)
-                                           .cwiseProduct(v.middleRows(j0, rows))
-                                           .rowwise()
-                                           .sum()
-                                           .cwiseMax(S(0))
-                                           .cwiseSqrt())
-                                          .transpose();
+        n.row(h).segment(j0, rows) +=
+            (scratch.projected.middleCols(g * d, d).cwiseProduct(vb).rowwise().sum().cwiseMax(S(0)).cwiseSqrt())
+                .transpose();
     }
   });
   n /= static_cast<S>(group);
