@@ -1,3 +1,4 @@
+include_guard(GLOBAL)
 # Warnings for the project's own targets (never the interface target).
 add_library(kvevict_warnings INTERFACE)
 target_compile_options(kvevict_warnings INTERFACE

@@ -148,111 +148,208 @@ void name_parts(const Entry&, Options& o) {
   }
 }
 
-/// Parses argv; returns nullopt after printing --help. Throws usage_error on any bad argument.
-inline std::optional<Options> parse_options(int argc, char** argv) {
-  Options o;
-  std::vector<std::string> positional;
-  std::optional<std::string> policy, base, selector;
-  int budgets = 0;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw usage_error(a + " expects a value");
-      return argv[++i];
-    };
-    if (a == "-h" || a == "--help") {
-      std::cout << usage_text();
-      return std::nullopt;
-    } else if (a == "--policy") {
-      policy = value();
-    } else if (a == "--base") {
-      base = value();
-    } else if (a == "--selector") {
-      selector = value();
-    } else if (a == "--budget") {
-      o.budget = kvevict::Budget::tokens(parse_int(a, value()));
-      o.budget_text = "tokens=" + std::string(argv[i]);
-      ++budgets;
-    } else if (a == "--keep") {
-      const double r = parse_double(a, value());
-      if (!(r > 0.0 && r <= 1.0)) throw usage_error("--keep must be in (0, 1], got " + std::string(argv[i]));
+/// Options by name, as kvevict-select's command line, the C API (include/kvevict/c/kvevict.h) and the Python module
+/// give them: `set(name, value)` checks each value, `finish()` the whole (one budget, a known policy). Names take '-'
+/// or '_' alike; messages spell them as the front end does ("--keep" on the command line, "keep" in the APIs).
+class OptionSet {
+ public:
+  enum class Spelling { command_line, api };
+  explicit OptionSet(Spelling spelling = Spelling::command_line) : spelling_(spelling) {}
+
+  /// Whether the option takes no value on the command line (the APIs give it a boolean: "1"/"true", "0"/"false").
+  static bool is_flag(const std::string& name) {
+    const std::string n = canonical(name);
+    return n == "reference-quirks" || n == "no-floor";
+  }
+
+  /// Whether `name` is an option (in either spelling).
+  static bool known(const std::string& name) {
+    const std::string n = canonical(name);
+    for (const std::string& k : names())
+      if (k == n) return true;
+    return false;
+  }
+
+  /// Sets one option ("keep", "compression-ratio", "window", ..., "policy", "base", "selector"). Throws usage_error.
+  void set(const std::string& raw_name, const std::string& v) {
+    const std::string a = canonical(raw_name), flag = spell(a);
+    Options& o = o_;
+    if (a == "policy") {
+      policy_ = v;
+    } else if (a == "base") {
+      base_ = v;
+    } else if (a == "selector") {
+      selector_ = v;
+    } else if (a == "budget") {
+      o.budget = kvevict::Budget::tokens(parse_int(flag, v));
+      o.budget_text = "tokens=" + v;
+      ++budgets_;
+    } else if (a == "keep") {
+      const double r = parse_double(flag, v);
+      if (!(r > 0.0 && r <= 1.0)) throw usage_error(flag + " must be in (0, 1], got " + v);
       o.budget = kvevict::Budget::keep_ratio(r);
-      o.budget_text = "keep=" + std::string(argv[i]);
-      ++budgets;
-    } else if (a == "--compression-ratio") {
-      const double c = parse_double(a, value());
-      if (!(c >= 0.0 && c < 1.0))
-        throw usage_error("--compression-ratio must be in [0, 1), got " + std::string(argv[i]));
+      o.budget_text = "keep=" + v;
+      ++budgets_;
+    } else if (a == "compression-ratio") {
+      const double c = parse_double(flag, v);
+      if (!(c >= 0.0 && c < 1.0)) throw usage_error(flag + " must be in [0, 1), got " + v);
       o.budget = kvevict::Budget::compression_ratio(c);
-      o.budget_text = "compression_ratio=" + std::string(argv[i]);
-      ++budgets;
-    } else if (a == "--window") {
-      o.knobs.window = parse_int(a, value());
-      if (*o.knobs.window < 1) throw usage_error("--window must be >= 1, got " + std::string(argv[i]));
-    } else if (a == "--pool") {
-      const std::string p = value();
-      if (p != "avg" && p != "max") throw usage_error("--pool must be avg or max, got '" + p + "'");
-      o.knobs.pooling = p == "avg" ? kvevict::Pooling::avg : kvevict::Pooling::max;
-    } else if (a == "--kernel") {
-      const Index kernel = parse_int(a, value());
+      o.budget_text = "compression_ratio=" + v;
+      ++budgets_;
+    } else if (a == "window") {
+      o.knobs.window = parse_int(flag, v);
+      if (*o.knobs.window < 1) throw usage_error(flag + " must be >= 1, got " + v);
+    } else if (a == "pool") {
+      if (v != "avg" && v != "max") throw usage_error(flag + " must be avg or max, got '" + v + "'");
+      o.knobs.pooling = v == "avg" ? kvevict::Pooling::avg : kvevict::Pooling::max;
+    } else if (a == "kernel") {
+      const Index kernel = parse_int(flag, v);
       o.knobs.kernel = kernel;
-      if (kernel < 1 || kernel % 2 == 0)
-        throw usage_error("--kernel must be an odd number >= 1, got " + std::string(argv[i]));
-    } else if (a == "--alpha") {
-      const double alpha = parse_double(a, value());
+      if (kernel < 1 || kernel % 2 == 0) throw usage_error(flag + " must be an odd number >= 1, got " + v);
+    } else if (a == "alpha") {
+      const double alpha = parse_double(flag, v);
       o.knobs.alpha = alpha;
-      if (alpha < 0.0 || alpha > 1.0) throw usage_error("--alpha must be in [0, 1], got " + std::string(argv[i]));
-    } else if (a == "--adakv-variant") {
-      const std::string v = value();
-      if (v != "kvpress" && v != "original")
-        throw usage_error("--adakv-variant must be kvpress or original, got '" + v + "'");
+      if (alpha < 0.0 || alpha > 1.0) throw usage_error(flag + " must be in [0, 1], got " + v);
+    } else if (a == "adakv-variant") {
+      if (v != "kvpress" && v != "original") throw usage_error(flag + " must be kvpress or original, got '" + v + "'");
       o.knobs.adakv_variant = v == "kvpress" ? kvevict::HeadAdaptiveAllocation::Variant::kvpress
                                              : kvevict::HeadAdaptiveAllocation::Variant::original;
-    } else if (a == "--sinks") {
-      const Index sinks = parse_int(a, value());
+    } else if (a == "sinks") {
+      const Index sinks = parse_int(flag, v);
       o.knobs.sinks = sinks;
-      if (sinks < 0) throw usage_error("--sinks must be >= 0, got " + std::string(argv[i]));
-    } else if (a == "--precision") {
-      o.precision = value();
-      if (o.precision != "f32" && o.precision != "f64")
-        throw usage_error("--precision must be f32 or f64, got '" + o.precision + "'");
-    } else if (a == "--reference-quirks") {
-      o.knobs.reference_quirks = true;
-    } else if (a == "--eps") {
-      const double eps = parse_double(a, value());
+      if (sinks < 0) throw usage_error(flag + " must be >= 0, got " + v);
+    } else if (a == "precision") {
+      if (v != "f32" && v != "f64") throw usage_error(flag + " must be f32 or f64, got '" + v + "'");
+      o.precision = v;
+    } else if (a == "reference-quirks") {
+      if (parse_bool(flag, v)) o.knobs.reference_quirks = true;
+    } else if (a == "eps") {
+      const double eps = parse_double(flag, v);
       o.knobs.eps = eps;
-      if (eps < 0.0) throw usage_error("--eps must be >= 0, got " + std::string(argv[i]));
-    } else if (a == "--first-stage-ratio") {
-      const double ratio = parse_double(a, value());
+      if (eps < 0.0) throw usage_error(flag + " must be >= 0, got " + v);
+    } else if (a == "first-stage-ratio") {
+      const double ratio = parse_double(flag, v);
       o.knobs.first_stage_ratio = ratio;
-      if (ratio < 0.0 || ratio > 1.0)
-        throw usage_error("--first-stage-ratio must be in [0, 1], got " + std::string(argv[i]));
-    } else if (a == "--value-norm") {
-      const std::string v = value();
-      if (v != "l1" && v != "l2") throw usage_error("--value-norm must be l1 or l2, got '" + v + "'");
+      if (ratio < 0.0 || ratio > 1.0) throw usage_error(flag + " must be in [0, 1], got " + v);
+    } else if (a == "value-norm") {
+      if (v != "l1" && v != "l2") throw usage_error(flag + " must be l1 or l2, got '" + v + "'");
       o.knobs.value_norm = v == "l1" ? kvevict::ValueNorm::l1 : kvevict::ValueNorm::l2;
-    } else if (a == "--mass-threshold") {
-      const double threshold = parse_double(a, value());
+    } else if (a == "mass-threshold") {
+      const double threshold = parse_double(flag, v);
       o.knobs.mass_threshold = threshold;
-      if (threshold < 0.0 || threshold > 1.0)
-        throw usage_error("--mass-threshold must be in [0, 1], got " + std::string(argv[i]));
-    } else if (a == "--share") {
-      const std::string v = value();
+      if (threshold < 0.0 || threshold > 1.0) throw usage_error(flag + " must be in [0, 1], got " + v);
+    } else if (a == "share") {
       if (v != "head" && v != "layer" && v != "model")
-        throw usage_error("--share must be head, layer or model, got '" + v + "'");
+        throw usage_error(flag + " must be head, layer or model, got '" + v + "'");
       o.knobs.share = v == "head"    ? kvevict::Sharing::per_head
                       : v == "layer" ? kvevict::Sharing::per_layer
                                      : kvevict::Sharing::per_model;
-    } else if (a == "--reduce") {
-      const std::string v = value();
-      if (v != "max" && v != "mean") throw usage_error("--reduce must be max or mean, got '" + v + "'");
+    } else if (a == "reduce") {
+      if (v != "max" && v != "mean") throw usage_error(flag + " must be max or mean, got '" + v + "'");
       o.knobs.reduce = v == "max" ? kvevict::Reduce::max : kvevict::Reduce::mean;
-    } else if (a == "--block") {
-      const Index block = parse_int(a, value());
+    } else if (a == "block") {
+      const Index block = parse_int(flag, v);
       o.knobs.block = block;
-      if (block < 1) throw usage_error("--block must be >= 1, got " + std::string(argv[i]));
-    } else if (a == "--no-floor") {
-      o.knobs.floor = false;
+      if (block < 1) throw usage_error(flag + " must be >= 1, got " + v);
+    } else if (a == "no-floor") {
+      if (parse_bool(flag, v)) o.knobs.floor = false;
+    } else {
+      throw usage_error("unknown option '" + raw_name + "'" +
+                        (spelling_ == Spelling::command_line ? "" : " (expected one of " + option_names() + ")"));
+    }
+  }
+
+  /// The options, checked as a whole: exactly one budget (unless given apart: the C API), a policy or a
+  /// base/selector that the catalogue knows.
+  Options finish(bool needs_budget = true) {
+    Options o = o_;
+    const std::string b = spell("budget"), k = spell("keep"), c = spell("compression-ratio");
+    if (needs_budget && budgets_ != 1)
+      throw usage_error(budgets_ == 0 ? "a budget is required: " + b + " N, " + k + " R or " + c + " CR"
+                                      : "give exactly one of " + b + ", " + k + " and " + c);
+    const std::string p = spell("policy"), bs = spell("base") + "/" + spell("selector");
+    if (policy_ && (base_ || selector_)) throw usage_error("give either " + p + " or " + bs + ", not both");
+    if (!policy_ && !base_ && !selector_)
+      throw usage_error("a policy is required: " + p + " NAME or " + spell("base") + " B " + spell("selector") + " S");
+    if (policy_) {
+      o.policy = *policy_;
+      if (!kvevict::catalogue::visit(o.policy, [&](const auto& e) { name_parts(e, o); }))
+        throw usage_error("unknown policy '" + *policy_ + "' (expected one of " +
+                          kvevict::catalogue::names(kvevict::catalogue::entries()) + ")");
+    } else {
+      o.composed = true;
+      o.base = base_.value_or("snapkv");
+      o.selector = selector_.value_or("attention");
+      if (!kvevict::catalogue::contains(kvevict::catalogue::bases(), o.base))
+        throw usage_error("unknown base '" + o.base + "' (expected one of " +
+                          kvevict::catalogue::names(kvevict::catalogue::bases()) + ")");
+      if (!kvevict::catalogue::contains(kvevict::catalogue::selectors(), o.selector))
+        throw usage_error("unknown selector '" + o.selector + "' (expected one of " +
+                          kvevict::catalogue::names(kvevict::catalogue::selectors()) + ")");
+      o.policy = o.base + "+" + o.selector;
+    }
+    visit_policy(o, [&](const auto& entry) {
+      const auto made = entry.make(o.knobs);
+      o.reads_observation = made.reads_observation();
+      o.reads_values = made.reads_values();
+    });
+    return o;
+  }
+
+ private:
+  static std::string canonical(std::string name) {
+    for (char& ch : name)
+      if (ch == '_') ch = '-';
+    return name;
+  }
+  std::string spell(const std::string& canonical_name) const {
+    if (spelling_ == Spelling::command_line) return "--" + canonical_name;
+    std::string n = canonical_name;
+    for (char& ch : n)
+      if (ch == '-') ch = '_';
+    return n;
+  }
+  static const std::vector<std::string>& names() {
+    static const std::vector<std::string> all = {
+        "policy", "base",  "selector",          "budget",     "keep",           "compression-ratio", "window", "pool",
+        "kernel", "alpha", "adakv-variant",     "sinks",      "precision",      "reference-quirks",  "share",  "reduce",
+        "block",  "eps",   "first-stage-ratio", "value-norm", "mass-threshold", "no-floor"};
+    return all;
+  }
+  std::string option_names() const {
+    std::string out;
+    for (const std::string& n : names()) out += (out.empty() ? "" : ", ") + spell(n);
+    return out;
+  }
+  static bool parse_bool(const std::string& flag, const std::string& v) {
+    if (v == "1" || v == "true" || v == "True") return true;
+    if (v == "0" || v == "false" || v == "False") return false;
+    throw usage_error(flag + " expects a boolean (1, true, 0 or false), got '" + v + "'");
+  }
+
+  Spelling spelling_;
+  Options o_;
+  std::optional<std::string> policy_, base_, selector_;
+  int budgets_ = 0;
+};
+
+/// Parses argv; returns nullopt after printing --help. Throws usage_error on any bad argument.
+inline std::optional<Options> parse_options(int argc, char** argv) {
+  OptionSet set;
+  std::vector<std::string> positional;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "-h" || a == "--help") {
+      std::cout << usage_text();
+      return std::nullopt;
+    } else if (a.size() > 2 && a.compare(0, 2, "--") == 0 && a.find('_') == std::string::npos &&
+               OptionSet::known(a.substr(2))) {
+      if (OptionSet::is_flag(a.substr(2))) {
+        set.set(a.substr(2), "1");
+      } else {
+        if (i + 1 >= argc) throw usage_error(a + " expects a value");
+        set.set(a.substr(2), argv[++i]);
+      }
     } else if (a.size() > 1 && a[0] == '-') {
       throw usage_error("unknown option '" + a + "'");
     } else {
@@ -262,42 +359,16 @@ inline std::optional<Options> parse_options(int argc, char** argv) {
   if (positional.size() != 2)
     throw usage_error("expected INPUT and OUTPUT safetensors paths, got " + std::to_string(positional.size()) +
                       " paths");
+  Options o = set.finish();
   o.input = positional[0];
   o.output = positional[1];
-  if (budgets != 1)
-    throw usage_error(budgets == 0 ? "a budget is required: --budget N, --keep R or --compression-ratio CR"
-                                   : "give exactly one of --budget, --keep and --compression-ratio");
-  if (policy && (base || selector)) throw usage_error("give either --policy or --base/--selector, not both");
-  if (!policy && !base && !selector) throw usage_error("a policy is required: --policy NAME or --base B --selector S");
-  if (policy) {
-    o.policy = *policy;
-    if (!kvevict::catalogue::visit(o.policy, [&](const auto& e) { name_parts(e, o); }))
-      throw usage_error("unknown policy '" + *policy + "' (expected one of " +
-                        kvevict::catalogue::names(kvevict::catalogue::entries()) + ")");
-  } else {
-    o.composed = true;
-    o.base = base.value_or("snapkv");
-    o.selector = selector.value_or("attention");
-    if (!kvevict::catalogue::contains(kvevict::catalogue::bases(), o.base))
-      throw usage_error("unknown base '" + o.base + "' (expected one of " +
-                        kvevict::catalogue::names(kvevict::catalogue::bases()) + ")");
-    if (!kvevict::catalogue::contains(kvevict::catalogue::selectors(), o.selector))
-      throw usage_error("unknown selector '" + o.selector + "' (expected one of " +
-                        kvevict::catalogue::names(kvevict::catalogue::selectors()) + ")");
-    o.policy = o.base + "+" + o.selector;
-  }
-  visit_policy(o, [&](const auto& entry) {
-    const auto made = entry.make(o.knobs);
-    o.reads_observation = made.reads_observation();
-    o.reads_values = made.reads_values();
-  });
   return o;
 }
 
 /// The runs of the policy the options name over every layer (layer-global policies see them all at once), with
 /// the window the data gives unless --window was given.
-template <class S, class KV>
-std::vector<kvevict::Selection> run_policy(const Options& o, const std::vector<kvevict::LayerInputs<KV>>& layers,
+template <class S, class KV, class Q, class W>
+std::vector<kvevict::Selection> run_policy(const Options& o, const std::vector<kvevict::LayerInputs<KV, Q, W>>& layers,
                                            Index window) {
   kvevict::Knobs knobs = o.knobs;
   knobs.window = window;

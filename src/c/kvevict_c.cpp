@@ -1,0 +1,254 @@
+// The C API (include/kvevict/c/kvevict.h): every entry point catches everything, records the message for
+// kvevict_last_error() and returns a status. Selection over raw tensors: select_impl.hpp.
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <new>
+#include <string>
+#include <utility>
+
+#include "binding.hpp"
+
+namespace {
+
+namespace tools = kvevict::tools;
+
+thread_local std::string last_error;
+
+void fail(const char* message) noexcept {
+  try {
+    last_error = message;
+  } catch (...) {  // no memory for the message: keep the previous one
+  }
+}
+
+/// Runs f, turning any exception into a status and its message.
+template <class F>
+kvevict_status guarded(F&& f) noexcept {
+  try {
+    f();
+    return KVEVICT_OK;
+  } catch (const kvevict::invalid_argument& e) {
+    fail(e.what());
+    return KVEVICT_INVALID_ARGUMENT;
+  } catch (const tools::usage_error& e) {
+    fail(e.what());
+    return KVEVICT_INVALID_ARGUMENT;
+  } catch (const std::bad_alloc&) {
+    fail("out of memory");
+    return KVEVICT_OUT_OF_MEMORY;
+  } catch (const std::exception& e) {
+    try {
+      last_error = std::string("internal error: ") + e.what();
+    } catch (...) {
+    }
+    return KVEVICT_INTERNAL_ERROR;
+  } catch (...) {
+    fail("internal error: unknown exception");
+    return KVEVICT_INTERNAL_ERROR;
+  }
+}
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw kvevict::invalid_argument(message);
+}
+
+std::string number(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+kvevict::Budget to_budget(const kvevict_budget& b) {
+  switch (b.kind) {
+    case KVEVICT_BUDGET_TOKENS:
+      require(std::isfinite(b.value) && b.value == std::floor(b.value),
+              "budget: tokens must be a whole number, got " + number(b.value));
+      require(std::fabs(b.value) <= 9007199254740992.0,  // 2^53: every whole double below it is exact
+              "budget: tokens " + number(b.value) + " is out of range (at most 2^53)");
+      return kvevict::Budget::tokens(static_cast<kvevict::Index>(b.value));
+    case KVEVICT_BUDGET_KEEP_RATIO:
+      require(b.value > 0.0 && b.value <= 1.0, "budget: keep ratio must be in (0, 1], got " + number(b.value));
+      return kvevict::Budget::keep_ratio(b.value);
+    case KVEVICT_BUDGET_COMPRESSION_RATIO:
+      require(b.value >= 0.0 && b.value < 1.0, "budget: compression ratio must be in [0, 1), got " + number(b.value));
+      return kvevict::Budget::compression_ratio(b.value);
+  }
+  throw kvevict::invalid_argument("budget: unknown kind " + std::to_string(static_cast<int>(b.kind)) +
+                                  "; expected KVEVICT_BUDGET_TOKENS, KVEVICT_BUDGET_KEEP_RATIO or "
+                                  "KVEVICT_BUDGET_COMPRESSION_RATIO");
+}
+
+const kvevict::Selection* layer_of(const kvevict_selection* s, size_t layer) {
+  return s && layer < s->layers.size() ? &s->layers[layer] : nullptr;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* kvevict_version(void) {
+#define KVEVICT_C_STR2(x) #x
+#define KVEVICT_C_STR(x) KVEVICT_C_STR2(x)
+  return KVEVICT_C_STR(KVEVICT_VERSION_MAJOR) "." KVEVICT_C_STR(KVEVICT_VERSION_MINOR) "." KVEVICT_C_STR(
+      KVEVICT_VERSION_PATCH);
+#undef KVEVICT_C_STR
+#undef KVEVICT_C_STR2
+}
+
+const char* kvevict_last_error(void) { return last_error.c_str(); }
+
+size_t kvevict_policy_count(void) {
+  size_t n = 0;
+  kvevict::catalogue::for_each(kvevict::catalogue::entries(), [&](const auto&) { ++n; });
+  return n;
+}
+
+const char* kvevict_policy_name(size_t i) {
+  const char* name = nullptr;
+  size_t k = 0;
+  kvevict::catalogue::for_each(kvevict::catalogue::entries(), [&](const auto& e) {
+    if (k++ == i) name = e.name.data();  // the catalogue's names are string literals
+  });
+  return name;
+}
+
+kvevict_status kvevict_policy_create(const char* name, const char* const* option_names,
+                                     const char* const* option_values, size_t n_options, kvevict_policy** out) {
+  if (out) *out = nullptr;
+  return guarded([&] {
+    require(out != nullptr, "kvevict_policy_create: out must not be NULL");
+    require(n_options == 0 || (option_names && option_values),
+            "kvevict_policy_create: option_names and option_values must not be NULL when n_options (" +
+                std::to_string(n_options) + ") > 0");
+    tools::OptionSet set(tools::OptionSet::Spelling::api);
+    if (name) set.set("policy", name);
+    for (size_t i = 0; i < n_options; ++i) {
+      require(option_names[i] && option_values[i],
+              "kvevict_policy_create: option " + std::to_string(i) + " has a NULL name or value");
+      const std::string n = option_names[i];
+      if (n == "budget" || n == "keep" || n == "compression_ratio" || n == "compression-ratio")
+        throw kvevict::invalid_argument("option '" + n +
+                                        "': the budget is given to kvevict_select_layers (kvevict_tokens, "
+                                        "kvevict_keep_ratio or kvevict_compression_ratio), not to the policy");
+      set.set(n, option_values[i]);
+    }
+    auto policy = std::make_unique<kvevict_policy>();
+    policy->options = set.finish(/*needs_budget=*/false);
+    *out = policy.release();
+  });
+}
+
+void kvevict_policy_free(kvevict_policy* policy) { delete policy; }
+
+const char* kvevict_policy_get_name(const kvevict_policy* policy) {
+  return policy ? policy->options.policy.c_str() : nullptr;
+}
+
+int kvevict_policy_reads(const kvevict_policy* policy) {
+  if (!policy) return 0;
+  return (policy->options.reads_observation ? KVEVICT_READS_OBSERVATION : 0) |
+         (policy->options.reads_values ? KVEVICT_READS_VALUES : 0);
+}
+
+kvevict_budget kvevict_tokens(int64_t n_kept) { return {KVEVICT_BUDGET_TOKENS, static_cast<double>(n_kept)}; }
+kvevict_budget kvevict_keep_ratio(double keep) { return {KVEVICT_BUDGET_KEEP_RATIO, keep}; }
+kvevict_budget kvevict_compression_ratio(double ratio) { return {KVEVICT_BUDGET_COMPRESSION_RATIO, ratio}; }
+
+kvevict_layer kvevict_layer_init(void) {
+  kvevict_layer layer;
+  std::memset(&layer, 0, sizeof layer);
+  return layer;
+}
+
+kvevict_tensor kvevict_tensor_contiguous(const void* data, int32_t dtype, int32_t rank, const int64_t* shape) {
+  kvevict_tensor t;
+  std::memset(&t, 0, sizeof t);
+  t.data = data;
+  t.dtype = dtype;
+  t.rank = rank;
+  if (!shape || rank < 1 || rank > 3) return t;  // kvevict_select_layers names the bad rank
+  int64_t stride = 1;
+  for (int32_t i = rank - 1; i >= 0; --i) {
+    t.shape[i] = shape[i];
+    t.strides[i] = stride;
+    stride *= shape[i];
+  }
+  return t;
+}
+
+kvevict_status kvevict_select_layers(const kvevict_policy* policy, kvevict_budget budget, const kvevict_layer* layers,
+                                     size_t n_layers, kvevict_selection** out) {
+  if (out) *out = nullptr;
+  return guarded([&] {
+    require(policy != nullptr, "kvevict_select_layers: policy must not be NULL");
+    require(out != nullptr, "kvevict_select_layers: out must not be NULL");
+    require(layers != nullptr && n_layers > 0, "kvevict_select_layers: expected at least one layer, got " +
+                                                   std::to_string(n_layers) + (layers ? "" : " (layers is NULL)"));
+    const kvevict::Budget b = to_budget(budget);
+    require(layers[0].keys.data != nullptr, "layers[0].keys is missing; expected [kv_heads, tokens, head_dim]");
+    auto result = std::make_unique<kvevict_selection>();
+    namespace c = kvevict::c_api;
+    switch (layers[0].keys.dtype) {
+      case KVEVICT_F32:
+        result->layers = c::select_storage<float>(policy->options, b, layers, n_layers);
+        break;
+      case KVEVICT_F64:
+        result->layers = c::select_storage<double>(policy->options, b, layers, n_layers);
+        break;
+      case KVEVICT_F16:
+        result->layers = c::select_storage<Eigen::half>(policy->options, b, layers, n_layers);
+        break;
+      case KVEVICT_BF16:
+        result->layers = c::select_storage<Eigen::bfloat16>(policy->options, b, layers, n_layers);
+        break;
+      default:
+        throw kvevict::invalid_argument("layers[0].keys: unknown dtype " +
+                                        std::to_string(static_cast<int>(layers[0].keys.dtype)) +
+                                        "; expected KVEVICT_F32, KVEVICT_F64, KVEVICT_F16 or KVEVICT_BF16");
+    }
+    *out = result.release();
+  });
+}
+
+void kvevict_selection_free(kvevict_selection* selection) { delete selection; }
+
+size_t kvevict_selection_layers(const kvevict_selection* s) { return s ? s->layers.size() : 0; }
+
+int64_t kvevict_selection_heads(const kvevict_selection* s, size_t layer) {
+  const kvevict::Selection* sel = layer_of(s, layer);
+  return sel ? sel->heads() : 0;
+}
+int64_t kvevict_selection_total(const kvevict_selection* s, size_t layer) {
+  const kvevict::Selection* sel = layer_of(s, layer);
+  return sel ? sel->total() : 0;
+}
+const int64_t* kvevict_selection_indices(const kvevict_selection* s, size_t layer) {
+  const kvevict::Selection* sel = layer_of(s, layer);
+  return sel ? sel->indices().data() : nullptr;
+}
+const int64_t* kvevict_selection_offsets(const kvevict_selection* s, size_t layer) {
+  const kvevict::Selection* sel = layer_of(s, layer);
+  return sel ? sel->offsets().data() : nullptr;
+}
+const int64_t* kvevict_selection_positions(const kvevict_selection* s, size_t layer) {
+  const kvevict::Selection* sel = layer_of(s, layer);
+  return sel ? sel->positions().data() : nullptr;
+}
+int64_t kvevict_selection_block_count(const kvevict_selection* s, size_t layer) {
+  const kvevict::Selection* sel = layer_of(s, layer);
+  return sel ? static_cast<int64_t>(sel->blocks().size()) : 0;
+}
+const int64_t* kvevict_selection_blocks(const kvevict_selection* s, size_t layer) {
+  const kvevict::Selection* sel = layer_of(s, layer);
+  return sel ? sel->blocks().data() : nullptr;
+}
+const int64_t* kvevict_selection_block_offsets(const kvevict_selection* s, size_t layer) {
+  const kvevict::Selection* sel = layer_of(s, layer);
+  return sel ? sel->block_offsets().data() : nullptr;
+}
+
+}  // extern "C"
