@@ -34,9 +34,8 @@ else()
 endif()
 
 find_package(Threads REQUIRED)
-add_executable(kvevict_c_api_tests ${CMAKE_CURRENT_LIST_DIR}/../main.cpp
-                                   ${CMAKE_CURRENT_LIST_DIR}/test_c_api_matches.cpp)
+add_executable(kvevict_c_api_tests ${CMAKE_CURRENT_LIST_DIR}/test_c_api_matches.cpp)
 target_include_directories(kvevict_c_api_tests PRIVATE ${CMAKE_CURRENT_LIST_DIR}/..)
-target_link_libraries(kvevict_c_api_tests PRIVATE kvevict::c kvevict::kvevict Catch2::Catch2 Threads::Threads
+target_link_libraries(kvevict_c_api_tests PRIVATE kvevict::c kvevict::kvevict kvevict_catch_main Threads::Threads
                                                   kvevict_warnings)
 catch_discover_tests(kvevict_c_api_tests TEST_PREFIX "c_api.")

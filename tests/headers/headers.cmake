@@ -49,11 +49,10 @@ add_library(kvevict_odr_unit_a OBJECT ${CMAKE_CURRENT_SOURCE_DIR}/headers/odr_a.
 target_link_libraries(kvevict_odr_unit_a PRIVATE kvevict::kvevict kvevict_warnings)
 set_target_properties(kvevict_odr_unit_a PROPERTIES CXX_EXTENSIONS OFF)
 add_executable(kvevict_odr_test
-  ${CMAKE_CURRENT_SOURCE_DIR}/main.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/headers/odr_main.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/headers/odr_b.cpp
   $<TARGET_OBJECTS:kvevict_odr_unit_a>)
-target_link_libraries(kvevict_odr_test PRIVATE kvevict::kvevict Catch2::Catch2 kvevict_warnings)
+target_link_libraries(kvevict_odr_test PRIVATE kvevict::kvevict kvevict_catch_main kvevict_warnings)
 set_target_properties(kvevict_odr_test PROPERTIES CXX_EXTENSIONS OFF)
 if(NOT KVEVICT_OPENMP)
   find_package(OpenMP QUIET)
