@@ -7,13 +7,15 @@
 /// catalogue (catalogue::visit, Knobs, select_layers), the result (Selection) and errors (invalid_argument);
 /// ragged caches with original positions (LayerInputs::lengths/positions) and eviction while the cache grows
 /// (CacheBook, evict_over_budget); selections shared across heads or layers and made of blocks (LayoutParams:
-/// share, reduce, block; Selection::blocks, compaction_plan) and RoPE re-rotation of kept keys (rerotate).
+/// share, reduce, block; Selection::blocks, compaction_plan) and RoPE re-rotation of kept keys (rerotate); int8
+/// and fp8 caches with their scales (float8_e4m3, float8_e5m2, KVScale).
 /// Writing a new selector or allocation: <kvevict/extend.hpp> and docs/extending.md.
 /// Semantics of every stage: docs/algorithms.md.
 
 #include "kvevict/core/budget.hpp"
 #include "kvevict/core/error.hpp"
 #include "kvevict/core/inputs.hpp"
+#include "kvevict/core/quantized.hpp"
 #include "kvevict/core/selection.hpp"
 #include "kvevict/core/views.hpp"
 #include "kvevict/version.hpp"

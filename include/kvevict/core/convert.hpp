@@ -10,6 +10,7 @@
 
 #include <Eigen/Core>
 
+#include "kvevict/core/quantized.hpp"
 #include "kvevict/core/views.hpp"
 
 #if defined(__F16C__)
@@ -38,12 +39,35 @@ inline void to_float(const Eigen::half* in, float* out, Index n) {
 /// dst [rows, cols] = src (a block of a view: unit inner stride) in the arithmetic type S.
 template <class S, class Src>
 void convert_rows(const Src& src, RowMatrix<S>& dst) {
+  static_assert(!is_quantized_v<typename Src::Scalar>, "convert_rows: quantized storage is read with read_rows");
   using T = std::remove_const_t<typename Src::Scalar>;
   dst.resize(src.rows(), src.cols());
   if constexpr (std::is_same_v<S, float> && (std::is_same_v<T, Eigen::half> || std::is_same_v<T, Eigen::bfloat16>)) {
     for (Index r = 0; r < src.rows(); ++r) to_float(src.row(r).data(), dst.row(r).data(), src.cols());
   } else {
     dst = src.template cast<S>();
+  }
+}
+
+/// dst [rows, cols] = the values of src (a block of rows of one KV head: unit inner stride) in S: quantized storage
+/// dequantized in float, row r times scale(r) (docs/algorithms.md section 9), then widened to S; any other storage
+/// converted as it is (convert_rows; `scale` unused).
+template <class S, class Src>
+void read_rows(const Src& src, const RowScale& scale, RowMatrix<S>& dst) {
+  using T = std::remove_const_t<typename Src::Scalar>;
+  if constexpr (is_quantized_v<T>) {
+    dst.resize(src.rows(), src.cols());
+    if constexpr (std::is_same_v<S, float>) {
+      for (Index r = 0; r < src.rows(); ++r) dequantize(src.row(r).data(), scale(r), dst.row(r).data(), src.cols());
+    } else {
+      Eigen::Matrix<float, 1, Eigen::Dynamic> row(src.cols());
+      for (Index r = 0; r < src.rows(); ++r) {
+        dequantize(src.row(r).data(), scale(r), row.data(), src.cols());
+        dst.row(r) = row.template cast<S>();
+      }
+    }
+  } else {
+    convert_rows<S>(src, dst);
   }
 }
 

@@ -2,11 +2,13 @@
 /// What a policy reads for one layer, and the shape checks every policy runs once on it.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
 
 #include "kvevict/core/error.hpp"
+#include "kvevict/core/quantized.hpp"
 #include "kvevict/core/views.hpp"
 #include "kvevict/value/output_gram.hpp"
 
@@ -17,7 +19,8 @@ template <class T>
 using gram_scalar_t = std::conditional_t<std::is_same_v<std::remove_const_t<T>, double>, double, float>;
 
 /// One layer's tensors, all views (nothing is copied). Each group of tensors has its own storage type (float,
-/// double, Eigen::half or Eigen::bfloat16), so an fp16 KV cache can come with fp32 queries and bf16 weights:
+/// double, Eigen::half or Eigen::bfloat16; the cache also std::int8_t, float8_e4m3 or float8_e5m2, read through
+/// keys_scale and values_scale), so an fp16 KV cache can come with fp32 queries and bf16 weights:
 ///   KV: keys and values (the cache)    Q: queries or attention (default KV)    W: w_o (default Q)
 /// Give either `queries` or `attention`:
 ///   queries   [H, w, head_dim]  post-RoPE queries of the window positions L-w .. L-1
@@ -37,6 +40,9 @@ using gram_scalar_t = std::conditional_t<std::is_same_v<std::remove_const_t<T>, 
 ///             select (2 H D d^2 FLOPs, as much as the value term itself at 4k tokens for Llama-3.1-8B). It must be
 ///             the Gram of this w_o (the library checks its shape and finiteness, not its values). A float Gram
 ///             used by select<double>() is widened, not recomputed.
+///   keys_scale, values_scale  int8 and fp8 caches only (docs/algorithms.md section 9): entry j of KV head h holds
+///             float(stored) * (tensor * token(h, j)); the default (tensor 1, no token scales) reads the codes as
+///             they are. Every stage selects exactly as on float storage holding those values.
 template <class KV, class Q = KV, class W = Q>
 struct LayerInputs {
   using kv_type = KV;
@@ -51,6 +57,7 @@ struct LayerInputs {
   const OutputGram<gram_scalar_t<W>>* w_o_gram = nullptr;
   const std::int64_t* lengths = nullptr;
   PositionsView positions;
+  KVScale keys_scale, values_scale;
 };
 
 }  // namespace kvevict
@@ -134,6 +141,20 @@ extend::LayerShape read_entries(const LayerInputs<KV, Q, W>& in, const char* whe
   return s;
 }
 
+/// A quantized cache's scale (docs/algorithms.md section 9): a finite tensor factor, token factors [Hkv, >= L, 1].
+/// Any other cache takes none.
+inline void require_scale(const KVScale& scale, bool quantized, const extend::LayerShape& s, const char* name,
+                          const char* where) {
+  require(quantized || !scale.given(), where, name, "_scale is for int8 and fp8 caches; ", name,
+          " stored as float, double, half or bfloat16 are read as they are (leave the scale at its default)");
+  require(std::isfinite(scale.tensor), where, name, "_scale.tensor must be finite, got ", scale.tensor);
+  if (!scale.has_token()) return;
+  require(scale.token.heads() == s.kv_heads && scale.token.rows() >= s.tokens && scale.token.cols() == 1, where, name,
+          "_scale.token [", scale.token.heads(), ", ", scale.token.rows(), ", ", scale.token.cols(),
+          "] must be [kv_heads, >= tokens, 1] = [", s.kv_heads, ", >= ", s.tokens,
+          ", 1] (per_token_scales() or per_head_token_scales())");
+}
+
 /// Checks `in` against the rules of docs/algorithms.md section 1 for a window of `window` queries (and
 /// section 6 for ragged layers); O(1), or O(sum of L_h) with positions.
 template <class KV, class Q, class W>
@@ -169,6 +190,8 @@ extend::LayerShape validate_inputs(const LayerInputs<KV, Q, W>& in, Index window
   else
     require(in.attention.cols() == s.tokens, where, "attention columns (", in.attention.cols(),
             ") must equal the context length (", s.tokens, ")");
+  require_scale(in.keys_scale, is_quantized_v<KV>, s, "keys", where);
+  require_scale(in.values_scale, is_quantized_v<KV>, s, "values", where);
   const bool has_v = in.values.heads() * in.values.rows() * in.values.cols() > 0;
   if (has_v && in.lengths)
     require(in.values.heads() == s.kv_heads && in.values.rows() >= s.tokens, where, "values [", in.values.heads(), ", ",

@@ -21,7 +21,8 @@ using RowMatrix = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMaj
 ///   tokens-major (llama.cpp, vLLM) [tokens, kv_heads, head_dim]: head_stride = head_dim, row_stride = kv_heads *
 ///   head_dim
 /// T is the storage type, usually const-qualified: float, double, Eigen::half or Eigen::bfloat16 (engines' KV
-/// caches); the library converts what it reads to its arithmetic type S (float unless select<double>()).
+/// caches; keys and values also std::int8_t, float8_e4m3 or float8_e5m2 with their scales, core/quantized.hpp);
+/// the library converts what it reads to its arithmetic type S (float unless select<double>()).
 template <class T>
 class HeadsView {
  public:

@@ -50,6 +50,7 @@ void validate_future(const HeadsView<const Q>& future, const KVView<const KV>& k
 /// Softmax rows [F, L] of query head q over all context tokens, in double.
 template <class Q, class KV>
 RowMatrix<double> future_attention(const HeadsView<const Q>& future, const KVView<const KV>& keys, Index q) {
+  static_assert(!is_quantized_v<KV>, "kvevict measures read float, double, half or bfloat16 caches: dequantize first");
   const Index G = future.heads() / keys.heads();
   RowMatrix<double> a = future.head(q).template cast<double>() * keys.head(q / G).template cast<double>().transpose();
   a /= std::sqrt(static_cast<double>(keys.cols()));
@@ -88,6 +89,7 @@ RetainedMass retained_attention_mass(const HeadsView<const Q>& future_queries, c
 template <class KV, class Q, class W>
 OutputPerturbation output_perturbation(const HeadsView<const Q>& future_queries, const LayerInputs<KV, Q, W>& in,
                                        const Selection& sel) {
+  static_assert(!is_quantized_v<KV>, "kvevict measures read float, double, half or bfloat16 caches: dequantize first");
   const char* where = "output_perturbation";
   detail::validate_future(future_queries, in.keys, sel, where);
   const Index H = future_queries.heads(), F = future_queries.rows(), G = H / in.keys.heads();

@@ -2,6 +2,7 @@
 /// Stage 2.1, observation: softmax rows of the window queries over the whole context, one query head at a time
 /// (extra memory O(w L), never O(H w L)).
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -10,6 +11,7 @@
 #include "kvevict/core/convert.hpp"
 #include "kvevict/core/inputs.hpp"
 #include "kvevict/core/parallel.hpp"
+#include "kvevict/core/quantized.hpp"
 #include "kvevict/core/views.hpp"
 
 namespace kvevict::detail {
@@ -37,12 +39,33 @@ void require_finite(const HeadsView<const T>& v, const char* where, const char* 
   require_finite(
       v, where, name, [&](Index) { return v.rows(); }, [&](Index) { return v.cols(); });
 }
-/// The same over the live entries of a KV view of the layer of `shape`: rows [0, L_h) of head h.
+/// The same over the live entries of a KV view of the layer of `shape`: rows [0, L_h) of head h. A quantized
+/// view is checked as the values it holds (docs/algorithms.md section 9): a NaN code, or a scale that is not
+/// finite or overflows a value, is named with the entry.
 template <class T>
 void require_finite_entries(const KVView<const T>& v, const extend::LayerShape& shape, const char* where,
-                            const char* name) {
-  require_finite(
-      v, where, name, [&](Index h) { return shape.length(h); }, [&](Index) { return v.cols(); });
+                            const char* name, const KVScale& scale = {}) {
+  if constexpr (is_quantized_v<T>) {
+    RowMatrix<float> rows;
+    for (Index h = 0; h < v.heads(); ++h) {
+      const RowScale factors = row_scale(scale, h);
+      for (Index j0 = 0; j0 < shape.length(h); j0 += 256) {
+        const Index n = std::min<Index>(256, shape.length(h) - j0);
+        read_rows<float>(v.head(h).middleRows(j0, n), factors.from(j0), rows);
+        if (std::isfinite((rows.array() * 0.0f).sum())) continue;
+        for (Index r = 0; r < n; ++r)
+          for (Index c = 0; c < v.cols(); ++c)
+            if (!std::isfinite(rows(r, c)))
+              throw invalid_argument(concat("kvevict::", where, ": ", name, "[", h, ", ", j0 + r, ", ", c,
+                                            "] is not finite (", rows(r, c), " = stored ",
+                                            static_cast<float>(v.row(h, j0 + r)[c]), " x scale ", factors(j0 + r),
+                                            "); the inputs contain NaN or Inf values"));
+      }
+    }
+  } else {
+    require_finite(
+        v, where, name, [&](Index h) { return shape.length(h); }, [&](Index) { return v.cols(); });
+  }
 }
 
 /// Keys enter the window-attention product in blocks of kKeyBlock rows (the last block takes the remainder, up to
@@ -52,9 +75,11 @@ void require_finite_entries(const KVView<const T>& v, const extend::LayerShape& 
 /// the same products bit for bit (a GEMM's rounding can depend on where a column falls in the product).
 constexpr Index kKeyBlock = 256;
 
-/// logits [w, L] = q_win k^T, q_win [w, d] in S, k [L, d] in its storage type; `buffer` is reused scratch.
+/// logits [w, L] = q_win k^T, q_win [w, d] in S, k [L, d] in its storage type (quantized: dequantized with the
+/// factors `scale`); `buffer` is reused scratch.
 template <class S, class QMat, class KMat>
-void window_logits(const QMat& q_win, const KMat& k, RowMatrix<S>& logits, RowMatrix<S>& buffer) {
+void window_logits(const QMat& q_win, const KMat& k, RowMatrix<S>& logits, RowMatrix<S>& buffer,
+                   const RowScale& scale = {}) {
   const Index L = k.rows();
   logits.resize(q_win.rows(), L);
   for (Index j0 = 0; j0 < L;) {
@@ -62,7 +87,7 @@ void window_logits(const QMat& q_win, const KMat& k, RowMatrix<S>& logits, RowMa
     if constexpr (std::is_same_v<typename KMat::Scalar, S>) {
       logits.middleCols(j0, n).noalias() = q_win * k.middleRows(j0, n).transpose();
     } else {
-      convert_rows<S>(k.middleRows(j0, n), buffer);
+      read_rows<S>(k.middleRows(j0, n), scale.from(j0), buffer);
       logits.middleCols(j0, n).noalias() = q_win * buffer.transpose();
     }
     j0 += n;
@@ -72,9 +97,10 @@ void window_logits(const QMat& q_win, const KMat& k, RowMatrix<S>& logits, RowMa
 /// rows [w, L] = softmax(q_win k^T / sqrt(d)) with the causal mask inside the window; q_win [w, d] in S, k [L, d]
 /// in its storage type (converted block by block, window_logits).
 template <class S, class QMat, class KMat>
-void softmax_window_rows(const QMat& q_win, const KMat& k, RowMatrix<S>& rows, RowMatrix<S>& buffer) {
+void softmax_window_rows(const QMat& q_win, const KMat& k, RowMatrix<S>& rows, RowMatrix<S>& buffer,
+                         const RowScale& keys_scale = {}) {
   const Index w = q_win.rows(), L = k.rows(), P = L - w;
-  window_logits<S>(q_win, k, rows, buffer);
+  window_logits<S>(q_win, k, rows, buffer, keys_scale);
   const S scale = std::sqrt(static_cast<S>(k.cols()));
   for (Index i = 0; i < w; ++i) {
     const Index visible = P + i + 1;  // causal: keys [0, P + i]
@@ -104,18 +130,20 @@ inline namespace KVEVICT_ABI_NAMESPACE {
 /// Window attention of query head q: `rows` [w, L] receives softmax(Q_win[q] K[q/G]^T / sqrt(d)) with the causal
 /// mask inside the window (row i, at absolute position L-w+i, sees keys j <= L-w+i; masked entries are 0).
 /// L is `length` (the KV head's own entries on a ragged layer, docs/algorithms.md section 6), or all the keys' rows.
-/// S is the arithmetic type (float or wider); Q and KV the storage types of the queries and the keys.
+/// S is the arithmetic type (float or wider); Q and KV the storage types of the queries and the keys; `keys_scale`
+/// dequantizes int8 and fp8 keys (docs/algorithms.md section 9).
 template <class S, class Q, class KV>
 void window_attention(const HeadsView<const Q>& queries, const KVView<const KV>& keys, Index q, Index group,
-                      RowMatrix<S>& rows, Index length = -1) {
+                      RowMatrix<S>& rows, Index length = -1, const KVScale& keys_scale = {}) {
   static_assert(std::is_floating_point_v<S>, "window_attention: arithmetic type must be float or double");
   const Index h = q / group, L = length < 0 ? keys.rows() : length;
   RowMatrix<S> buffer;
+  const detail::RowScale scale = detail::row_scale(keys_scale, h);
   if constexpr (std::is_same_v<std::remove_const_t<Q>, S>) {
-    detail::softmax_window_rows<S>(queries.head(q), keys.head(h).topRows(L), rows, buffer);
+    detail::softmax_window_rows<S>(queries.head(q), keys.head(h).topRows(L), rows, buffer, scale);
   } else {
     const RowMatrix<S> q_win = queries.head(q).template cast<S>();
-    detail::softmax_window_rows<S>(q_win, keys.head(h).topRows(L), rows, buffer);
+    detail::softmax_window_rows<S>(q_win, keys.head(h).topRows(L), rows, buffer, scale);
   }
 }
 
@@ -133,11 +161,12 @@ class WindowObservation {
       : queries_(in.queries),
         attention_(in.attention),
         keys_(in.keys),
+        keys_scale_(in.keys_scale),
         shape_(shape),
         from_queries_(in.queries.heads() * in.queries.rows() * in.queries.cols() > 0) {
     if (from_queries_) {
       detail::require_finite(queries_, where, "queries");
-      detail::require_finite_entries(keys_, shape_, where, "keys");
+      detail::require_finite_entries(keys_, shape_, where, "keys", keys_scale_);
     } else {  // query head q reads the columns of its KV head's entries
       detail::require_finite(
           attention_, where, "attention", [&](Index) { return attention_.rows(); },
@@ -164,11 +193,11 @@ class WindowObservation {
           head_rows(q, rows);
         } else if constexpr (std::is_same_v<std::remove_const_t<Q>, S>) {
           detail::softmax_window_rows<S>(queries_.head(q), keys_.head(h).topRows(shape_.length(h)), rows,
-                                         scratch.buffer);
+                                         scratch.buffer, detail::row_scale(keys_scale_, h));
         } else {
           scratch.queries = queries_.head(q).template cast<S>();
-          detail::softmax_window_rows<S>(scratch.queries, keys_.head(h).topRows(shape_.length(h)), rows,
-                                         scratch.buffer);
+          detail::softmax_window_rows<S>(scratch.queries, keys_.head(h).topRows(shape_.length(h)), rows, scratch.buffer,
+                                         detail::row_scale(keys_scale_, h));
         }
         f(q, static_cast<const RowMatrix<S>&>(rows));
       }
@@ -179,7 +208,7 @@ class WindowObservation {
   void head_rows(Index q, RowMatrix<S>& rows) const {
     const Index length = shape_.length(q / shape_.group);
     if (from_queries_) {  // the same rule as validate_inputs: a view with a zero extent is not given
-      window_attention<S, Q, KV>(queries_, keys_, q, shape_.group, rows, length);
+      window_attention<S, Q, KV>(queries_, keys_, q, shape_.group, rows, length, keys_scale_);
     } else {
       rows = detail::as_arithmetic<S>(attention_.head(q).leftCols(length));
     }
@@ -188,6 +217,7 @@ class WindowObservation {
  private:
   HeadsView<const Q> queries_, attention_;
   KVView<const KV> keys_;
+  KVScale keys_scale_;
   LayerShape shape_;
   bool from_queries_;
 };

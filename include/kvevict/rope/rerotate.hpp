@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kvevict/core/error.hpp"
+#include "kvevict/core/quantized.hpp"
 #include "kvevict/core/selection.hpp"
 #include "kvevict/core/views.hpp"
 
@@ -103,6 +104,7 @@ void rope_rotate_row(T* row, Index rotary_dim, RopeLayout layout, const A* cos_t
 template <class T, class Length, class Delta>
 void rope_rotate_rows(const HeadsView<T>& keys, Index rotary_dim, const Rope& rope, Length&& length, Delta&& delta) {
   static_assert(!std::is_const_v<T>, "rerotate: the keys view must be writable");
+  static_assert(!is_quantized_v<T>, "rerotate: int8 and fp8 keys cannot be rotated in place (re-quantize them)");
   using A = std::conditional_t<std::is_same_v<T, double>, double, float>;
   const std::vector<double> inv = rope_inv_frequencies(rope.theta, rotary_dim);
   std::vector<A> cos_tab(inv.size()), sin_tab(inv.size());

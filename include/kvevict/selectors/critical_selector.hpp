@@ -63,7 +63,7 @@ struct CriticalSelector {
 
     OutputGram<S> scratch;
     const OutputGram<S>* gram = params_.value_norm == ValueNorm::l2 ? &extend::output_gram<S>(in, scratch) : nullptr;
-    const RowMatrix<S> n = extend::value_norms<S>(in.values, in.w_o, shape, params_.value_norm, gram);
+    const RowMatrix<S> n = extend::value_norms<S>(in.values, in.w_o, shape, params_.value_norm, gram, in.values_scale);
     const S eps = static_cast<S>(params_.eps);
     const S layer_max = extend::max_prefix_score(s, shape);
     for (Index h = 0; h < shape.kv_heads; ++h) {

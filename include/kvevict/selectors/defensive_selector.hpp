@@ -69,8 +69,8 @@ struct DefensiveSelector {
     if (params_.value_term) {
       OutputGram<S> scratch;
       const OutputGram<S>* gram = params_.value_norm == ValueNorm::l2 ? &extend::output_gram<S>(in, scratch) : nullptr;
-      weight_by_normalised_values(scores, extend::value_norms<S>(in.values, in.w_o, shape, params_.value_norm, gram),
-                                  shape);
+      weight_by_normalised_values(
+          scores, extend::value_norms<S>(in.values, in.w_o, shape, params_.value_norm, gram, in.values_scale), shape);
     }
 
     Layer<S> layer{extend::ScoreMap<S>::with_window(scores, shape)};

@@ -17,27 +17,30 @@
 
 namespace kvevict::detail {
 
-/// `rows` [n, d] of a view in the arithmetic type S: itself when stored as S, else converted into `buffer` (one
-/// block at a time: a half or bfloat16 cache is never copied whole).
+/// `rows` [n, d] of a view in the arithmetic type S: itself when stored as S, else converted (quantized storage:
+/// dequantized with the factors `scale`) into `buffer`, one block at a time: a half, bfloat16, int8 or fp8 cache is
+/// never copied whole.
 template <class S, class Block>
-decltype(auto) block_in(const Block& rows, RowMatrix<S>& buffer) {
+decltype(auto) block_in(const Block& rows, const RowScale& scale, RowMatrix<S>& buffer) {
   if constexpr (std::is_same_v<typename Block::Scalar, S>) {
     return Block(rows);  // an Eigen view, by value
   } else {
-    convert_rows<S>(rows, buffer);
+    read_rows<S>(rows, scale, buffer);
     return static_cast<const RowMatrix<S>&>(buffer);
   }
 }
 
-/// Adds || V_h[j] (W^q)^T ||_1 to out[j] for the L rows of one KV head (v in its storage type), in blocks of rows
-/// so that the [L, D] projection is never materialised (extra memory O(block * D): `proj`, reused).
+/// Adds || V_h[j] (W^q)^T ||_1 to out[j] for the L rows of one KV head (v in its storage type, row j scaled by
+/// scale(j) when quantized), in blocks of rows so that the [L, D] projection is never materialised (extra memory
+/// O(block * D): `proj`, reused).
 template <class S, class VMat, class WMat>
-void accumulate_l1_norms(const VMat& v, const WMat& w, S* out, RowMatrix<S>& proj, RowMatrix<S>& buffer) {
+void accumulate_l1_norms(const VMat& v, const WMat& w, S* out, RowMatrix<S>& proj, RowMatrix<S>& buffer,
+                         const RowScale& scale = {}) {
   constexpr Index block = 128;
   const Index L = v.rows();
   for (Index j0 = 0; j0 < L; j0 += block) {
     const Index n = std::min(block, L - j0);
-    proj.noalias() = block_in<S>(v.middleRows(j0, n), buffer) * w.transpose();  // [n, D]
+    proj.noalias() = block_in<S>(v.middleRows(j0, n), scale.from(j0), buffer) * w.transpose();  // [n, D]
     for (Index r = 0; r < n; ++r) out[j0 + r] += proj.row(r).cwiseAbs().sum();
   }
 }
@@ -49,10 +52,11 @@ inline namespace KVEVICT_ABI_NAMESPACE {
 
 /// N [Hkv, L]: N[h][j] = mean over the G query heads q of group h of || V[h][j, :] (W_o^q)^T ||_p, for the
 /// entries j < length_of(h) of each head (the rest of the row is 0; L = the longest head).
-/// `gram` is used (and required) for ValueNorm::l2; it may be null for l1.
+/// `gram` is used (and required) for ValueNorm::l2; it may be null for l1. `values_scale` dequantizes int8 and fp8
+/// values (docs/algorithms.md section 9).
 template <class S, class KV, class W, class Lengths>
 RowMatrix<S> value_norms(const KVView<const KV>& values, const HeadsView<const W>& w_o, Index group, ValueNorm norm,
-                         const OutputGram<S>* gram, Lengths length_of) {
+                         const OutputGram<S>* gram, Lengths length_of, const KVScale& values_scale = {}) {
   const Index Hkv = values.heads(), d = values.cols();
   Index longest = 0;
   for (Index h = 0; h < Hkv; ++h) longest = std::max(longest, length_of(h));
@@ -66,13 +70,15 @@ RowMatrix<S> value_norms(const KVView<const KV>& values, const HeadsView<const W
   detail::parallel_for_with<Scratch>(Hkv, [&](Index h, Scratch& scratch) {
     const Index L = length_of(h);
     const auto v = values.head(h).topRows(L);  // in its storage type: converted block by block
+    const detail::RowScale scale = detail::row_scale(values_scale, h);
     if (norm == ValueNorm::l1) {
       for (Index g = 0; g < group; ++g) {
         if constexpr (std::is_same_v<std::remove_const_t<W>, S>) {
-          detail::accumulate_l1_norms<S>(v, w_o.head(h * group + g), n.row(h).data(), scratch.projected, scratch.v);
+          detail::accumulate_l1_norms<S>(v, w_o.head(h * group + g), n.row(h).data(), scratch.projected, scratch.v,
+                                         scale);
         } else {
           scratch.w = w_o.head(h * group + g).template cast<S>();
-          detail::accumulate_l1_norms<S>(v, scratch.w, n.row(h).data(), scratch.projected, scratch.v);
+          detail::accumulate_l1_norms<S>(v, scratch.w, n.row(h).data(), scratch.projected, scratch.v, scale);
         }
       }
       return;
@@ -86,7 +92,7 @@ RowMatrix<S> value_norms(const KVView<const KV>& values, const HeadsView<const W
     constexpr Index block = 256;
     for (Index j0 = 0; j0 < L; j0 += block) {
       const Index rows = std::min(block, L - j0);
-      const auto& vb = detail::block_in<S>(v.middleRows(j0, rows), scratch.v);
+      const auto& vb = detail::block_in<S>(v.middleRows(j0, rows), scale.from(j0), scratch.v);
       scratch.projected.noalias() = vb * grams;
       for (Index g = 0; g < group; ++g)
         n.row(h).segment(j0, rows) +=
@@ -101,15 +107,17 @@ RowMatrix<S> value_norms(const KVView<const KV>& values, const HeadsView<const W
 /// N [Hkv, L] over every row of the values.
 template <class S, class KV, class W>
 RowMatrix<S> value_norms(const KVView<const KV>& values, const HeadsView<const W>& w_o, Index group, ValueNorm norm,
-                         const OutputGram<S>* gram = nullptr) {
-  return value_norms<S>(values, w_o, group, norm, gram, [&](Index) { return values.rows(); });
+                         const OutputGram<S>* gram = nullptr, const KVScale& values_scale = {}) {
+  return value_norms<S>(
+      values, w_o, group, norm, gram, [&](Index) { return values.rows(); }, values_scale);
 }
 
 /// N [Hkv, L] of the layer of `shape`: head h's own L_h entries (docs/algorithms.md section 6), zeros beyond.
 template <class S, class KV, class W>
 RowMatrix<S> value_norms(const KVView<const KV>& values, const HeadsView<const W>& w_o, const LayerShape& shape,
-                         ValueNorm norm, const OutputGram<S>* gram = nullptr) {
-  return value_norms<S>(values, w_o, shape.group, norm, gram, [&](Index h) { return shape.length(h); });
+                         ValueNorm norm, const OutputGram<S>* gram = nullptr, const KVScale& values_scale = {}) {
+  return value_norms<S>(
+      values, w_o, shape.group, norm, gram, [&](Index h) { return shape.length(h); }, values_scale);
 }
 
 /// Checks that the value-aware inputs are there, agree with the layer and are finite: values [Hkv, L, d] and
@@ -125,7 +133,7 @@ void validate_value_inputs(const LayerInputs<KV, Q, W>& in, const LayerShape& s,
   detail::require(in.w_o.heads() == s.query_heads && in.w_o.cols() == in.values.cols(), where,
                   "w_o must have H * head_dim = ", s.query_heads, " * ", in.values.cols(), " columns, got ",
                   in.w_o.heads(), " * ", in.w_o.cols());
-  detail::require_finite_entries(in.values, s, where, "values");
+  detail::require_finite_entries(in.values, s, where, "values", in.values_scale);
   if (in.w_o_gram) {
     const auto& g = *in.w_o_gram;
     detail::require(g.heads() == s.query_heads, where, "w_o_gram must hold one Gram matrix per query head (",
