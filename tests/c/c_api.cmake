@@ -33,6 +33,11 @@ else()
   add_test(NAME c_api.c_program COMMAND kvevict_c_program)  # the exit status: nonzero on any failed CHECK
 endif()
 
+# The comparison with the C++ API in dev and clang (under the sanitizers the C program above covers the C API's
+# memory: every policy and every error path; this test is a 4-minute compile there and adds no path of its own).
+if(CMAKE_CXX_FLAGS MATCHES "-fsanitize=")
+  return()
+endif()
 find_package(Threads REQUIRED)
 add_executable(kvevict_c_api_tests ${CMAKE_CURRENT_LIST_DIR}/test_c_api_matches.cpp)
 target_include_directories(kvevict_c_api_tests PRIVATE ${CMAKE_CURRENT_LIST_DIR}/..)
