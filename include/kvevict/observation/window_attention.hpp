@@ -39,6 +39,13 @@ void require_finite(const HeadsView<const T>& v, const char* where, const char* 
   require_finite(
       v, where, name, [&](Index) { return v.rows(); }, [&](Index) { return v.cols(); });
 }
+/// Keys enter the window-attention product in blocks of kKeyBlock rows (the last block takes the remainder, up to
+/// 2 kKeyBlock - 1 rows). Keys stored in another type than S are converted one block at a time into a [block, d]
+/// buffer that stays in cache, never as a whole [L, d] copy (a half or bfloat16 cache costs no extra pass over
+/// memory); keys stored as S go through the same blocks, so that every storage type holding the same values gives
+/// the same products bit for bit (a GEMM's rounding can depend on where a column falls in the product).
+constexpr Index kKeyBlock = 256;
+
 /// The same over the live entries of a KV view of the layer of `shape`: rows [0, L_h) of head h. A quantized
 /// view is checked as the values it holds (docs/algorithms.md section 9): a NaN code, or a scale that is not
 /// finite or overflows a value, is named with the entry.
@@ -49,8 +56,8 @@ void require_finite_entries(const KVView<const T>& v, const extend::LayerShape& 
     RowMatrix<float> rows;
     for (Index h = 0; h < v.heads(); ++h) {
       const RowScale factors = row_scale(scale, h);
-      for (Index j0 = 0; j0 < shape.length(h); j0 += 256) {
-        const Index n = std::min<Index>(256, shape.length(h) - j0);
+      for (Index j0 = 0; j0 < shape.length(h); j0 += kKeyBlock) {  // a cache-sized block at a time
+        const Index n = std::min(kKeyBlock, shape.length(h) - j0);
         read_rows<float>(v.head(h).middleRows(j0, n), factors.from(j0), rows);
         if (std::isfinite((rows.array() * 0.0f).sum())) continue;
         for (Index r = 0; r < n; ++r)
@@ -67,13 +74,6 @@ void require_finite_entries(const KVView<const T>& v, const extend::LayerShape& 
         v, where, name, [&](Index h) { return shape.length(h); }, [&](Index) { return v.cols(); });
   }
 }
-
-/// Keys enter the window-attention product in blocks of kKeyBlock rows (the last block takes the remainder, up to
-/// 2 kKeyBlock - 1 rows). Keys stored in another type than S are converted one block at a time into a [block, d]
-/// buffer that stays in cache, never as a whole [L, d] copy (a half or bfloat16 cache costs no extra pass over
-/// memory); keys stored as S go through the same blocks, so that every storage type holding the same values gives
-/// the same products bit for bit (a GEMM's rounding can depend on where a column falls in the product).
-constexpr Index kKeyBlock = 256;
 
 /// logits [w, L] = q_win k^T, q_win [w, d] in S, k [L, d] in its storage type (quantized: dequantized with the
 /// factors `scale`); `buffer` is reused scratch.
