@@ -18,7 +18,9 @@
 // (the same with the Gram matrices precomputed once per layer, LayerInputs::w_o_gram, as an engine does at model
 // load) and "<name>-l1" (the papers' value term, up to 32k). Storage f32 for every row, plus f16 (Eigen::half) and
 // bf16 for snapkv and adakv and bf16 for defensivekv-l2: keys, values, window queries and W_o in that type,
-// arithmetic in float; those rows also report x_floor_f32 (and x_floors_f32): the same ratio to the f32 floors.
+// arithmetic in float; and quantized caches (i8: int8 with per-head-token scales, e4m3 with a tensor scale, e5m2)
+// for snapkv, adakv and defensivekv-l2 (not e5m2), queries and W_o in float. Those rows also report x_floor_f32
+// (and x_floors_f32): the same ratio to the f32 floors.
 // Built with KVEVICT_OPENMP, the library (and Eigen's floor GEMMs) run on OpenMP threads, and x_threads = one
 // thread's time / time.
 
@@ -29,6 +31,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <numeric>
 #include <random>
@@ -65,7 +68,7 @@ void run_policy(benchmark::State& state, const Model& m, const Policy& policy, b
   const auto budget = kvevict::Budget::keep_ratio(keep);
   Layer<T> layer(m, L);
   // The engine's per-layer W_o^T W_o, made once at model load (LayerInputs::w_o_gram), outside the timing.
-  const auto gram = kvevict::OutputGram<kvevict::gram_scalar_t<T>>::compute(layer.in.w_o);
+  const auto gram = kvevict::OutputGram<kvevict::gram_scalar_t<activation_t<T>>>::compute(layer.in.w_o);
   if (precomputed_gram) layer.in.w_o_gram = &gram;
   const auto select_once = [&] { return select_one(policy, layer.in, budget); };
   double total = 0;
@@ -94,8 +97,9 @@ void run_policy(benchmark::State& state, const Model& m, const Policy& policy, b
   const auto level = heap::mark();
   const kvevict::Selection sel = select_once();
   state.counters["extra_MiB"] = static_cast<double>(heap::peak_since(level)) / 1048576.0;
-  // Policies without a naive implementation (naive::has_select) skip x_naive, agree and naive_MiB.
-  if constexpr (naive::has_select_v<Policy, kvevict::LayerInputs<T>>) {
+  // Policies without a naive implementation (naive::has_select), and quantized caches, skip x_naive, agree and
+  // naive_MiB.
+  if constexpr (!kvevict::is_quantized_v<T> && naive::has_select_v<Policy, decltype(layer.in)>) {
     if (L == kNaiveContext) {
       const auto n_kept = kvevict_ref::n_kept_from_keep_ratio(L, keep);
       const auto naive_level = heap::mark();
@@ -274,6 +278,18 @@ void register_all() {
       });
     visit_entry("defensivekv", [&](const auto& entry) {
       register_policy<Eigen::bfloat16>("defensivekv-l2", mm, entry.make(l2), 65536);
+    });
+    // Quantized caches (int8 with per-head-token scales, fp8 e4m3 with a tensor scale, fp8 e5m2), queries and W_o
+    // in float.
+    for (std::string_view row : {"snapkv", "adakv"})
+      visit_entry(row, [&](const auto& entry) {
+        register_policy<std::int8_t>(std::string(row), mm, entry.make(), 65536);
+        register_policy<kvevict::float8_e4m3>(std::string(row), mm, entry.make(), 65536);
+        register_policy<kvevict::float8_e5m2>(std::string(row), mm, entry.make(), 65536);
+      });
+    visit_entry("defensivekv", [&](const auto& entry) {
+      register_policy<std::int8_t>("defensivekv-l2", mm, entry.make(l2), 65536);
+      register_policy<kvevict::float8_e4m3>("defensivekv-l2", mm, entry.make(l2), 65536);
     });
     // Stages.
     for (auto norm : {ValueNorm::l1, ValueNorm::l2}) {

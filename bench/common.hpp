@@ -8,8 +8,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstdint>
 #include <random>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kvevict/extend.hpp"
@@ -33,32 +36,105 @@ const char* storage_name() {
     return "f32";
   else if constexpr (std::is_same_v<T, Eigen::half>)
     return "f16";
-  else
+  else if constexpr (std::is_same_v<T, Eigen::bfloat16>)
     return "bf16";
+  else if constexpr (std::is_same_v<T, std::int8_t>)
+    return "i8";
+  else if constexpr (std::is_same_v<T, kvevict::float8_e4m3>)
+    return "e4m3";
+  else
+    return "e5m2";
+}
+
+/// The type of window queries and W_o next to a cache stored as T: T itself, float for quantized caches (an
+/// engine's activations are not quantized).
+template <class T>
+using activation_t = std::conditional_t<kvevict::is_quantized_v<T>, float, T>;
+
+/// The fp8 code nearest to x (ties to the even code), from the format's exact values: what a cast to fp8 stores.
+template <class F8>
+F8 nearest_fp8(float x) {
+  static const std::vector<std::pair<float, std::uint8_t>> codes = [] {
+    std::vector<std::pair<float, std::uint8_t>> c;
+    for (int b = 0; b < 0x80; ++b) {
+      const float v = static_cast<float>(F8::from_bits(static_cast<std::uint8_t>(b)));
+      if (std::isfinite(v)) c.emplace_back(v, static_cast<std::uint8_t>(b));
+    }
+    return c;  // increasing with the code
+  }();
+  const float a = std::min(std::fabs(x), codes.back().first);
+  auto hi = std::lower_bound(codes.begin(), codes.end(), std::make_pair(a, std::uint8_t{0}));
+  if (hi == codes.end()) hi = codes.end() - 1;
+  auto best = hi;
+  if (hi != codes.begin()) {
+    const auto lo = hi - 1;
+    const float dl = a - lo->first, dh = hi->first - a;
+    if (dl < dh || (dl == dh && (lo->second & 1) == 0)) best = lo;
+  }
+  return F8::from_bits(static_cast<std::uint8_t>(best->second | (std::signbit(x) ? 0x80 : 0)));
 }
 
 /// One layer in storage T: window queries [H, w, d], keys and values tokens-major [L, Hkv, d] (an engine's
-/// cache), W_o [D, H * d].
+/// cache), W_o [D, H * d]; queries and W_o in activation_t<T>. Quantized caches as engines store them: int8 with a
+/// per-head-and-token absmax scale (tokens-major [L, Hkv], scale = absmax / 127), fp8 e4m3 with vLLM's per-tensor
+/// scale (absmax / 448), fp8 e5m2 unscaled.
 template <class T>
 struct Layer {
+  using A = activation_t<T>;
   Model m;
-  std::vector<T> q, k, v, w_o;
-  kvevict::LayerInputs<T> in;
+  std::vector<A> q, w_o;
+  std::vector<T> k, v;
+  std::vector<float> k_scale, v_scale;  // int8: [L, Hkv]
+  kvevict::LayerInputs<T, A, A> in;
   Layer(const Model& model, Index L) : m(model) {
     std::mt19937 rng(42);
     std::normal_distribution<float> n(0.f, 1.f);
-    const auto fill = [&](std::vector<T>& x, std::size_t size, float scale) {
+    const auto fill = [&](auto& x, std::size_t size, float scale) {
+      using E = typename std::decay_t<decltype(x)>::value_type;
       x.resize(size);
-      for (T& e : x) e = static_cast<T>(scale * n(rng));
+      for (E& e : x) e = static_cast<E>(scale * n(rng));
     };
     fill(q, static_cast<std::size_t>(m.H * kWindow * m.d), 1.f);
-    fill(k, static_cast<std::size_t>(m.Hkv * L * m.d), 1.f);
-    fill(v, k.size(), 1.f);
+    if constexpr (kvevict::is_quantized_v<T>) {
+      std::vector<float> kf, vf;
+      fill(kf, static_cast<std::size_t>(m.Hkv * L * m.d), 1.f);
+      fill(vf, kf.size(), 1.f);
+      quantize(kf, k, k_scale, in.keys_scale, L);
+      quantize(vf, v, v_scale, in.values_scale, L);
+    } else {
+      fill(k, static_cast<std::size_t>(m.Hkv * L * m.d), 1.f);
+      fill(v, k.size(), 1.f);
+    }
     fill(w_o, static_cast<std::size_t>(m.D * m.H * m.d), 0.02f);
-    in.queries = kvevict::HeadsView<const T>::heads_major(q.data(), m.H, kWindow, m.d);
+    in.queries = kvevict::HeadsView<const A>::heads_major(q.data(), m.H, kWindow, m.d);
     in.keys = kvevict::kv_tokens_major<const T>(k.data(), L, m.Hkv, m.d);
     in.values = kvevict::kv_tokens_major<const T>(v.data(), L, m.Hkv, m.d);
-    in.w_o = kvevict::output_projection<const T>(w_o.data(), m.D, m.H, m.d);
+    in.w_o = kvevict::output_projection<const A>(w_o.data(), m.D, m.H, m.d);
+  }
+
+ private:
+  /// x tokens-major [L, Hkv, d] to codes and scales (see the struct's comment).
+  void quantize(const std::vector<float>& x, std::vector<T>& codes, std::vector<float>& scales, kvevict::KVScale& out,
+                Index L) {
+    codes.resize(x.size());
+    if constexpr (std::is_same_v<T, std::int8_t>) {
+      scales.resize(static_cast<std::size_t>(L * m.Hkv));
+      for (std::size_t row = 0; row < scales.size(); ++row) {
+        const auto first = x.begin() + static_cast<std::ptrdiff_t>(row) * m.d;
+        float absmax = 0;
+        for (auto it = first; it != first + m.d; ++it) absmax = std::max(absmax, std::fabs(*it));
+        scales[row] = absmax > 0 ? absmax / 127.0f : 1.0f;
+        for (Index c = 0; c < m.d; ++c)
+          codes[row * static_cast<std::size_t>(m.d) + static_cast<std::size_t>(c)] =
+              static_cast<std::int8_t>(std::lrint(first[c] / scales[row]));
+      }
+      out.token = kvevict::per_head_token_scales_tokens_major(scales.data(), L, m.Hkv);
+    } else {
+      float absmax = 0;
+      for (float e : x) absmax = std::max(absmax, std::fabs(e));
+      out.tensor = std::is_same_v<T, kvevict::float8_e4m3> ? absmax / 448.0f : 1.0f;
+      for (std::size_t i = 0; i < x.size(); ++i) codes[i] = nearest_fp8<T>(x[i] / out.tensor);
+    }
   }
 };
 

@@ -3,8 +3,11 @@
 // then the selections of the policy the options name. Separate from main() so that the fuzzer
 // (tests/fuzz/fuzz_select.cpp) drives exactly the code the tool runs, on bytes in memory.
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -50,25 +53,92 @@ struct Loaded {
   std::vector<std::int64_t> shape;
 };
 
+inline std::string shape_str(const std::vector<std::int64_t>& s) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+inline bool is_quantized(st::dtype t) {
+  return t == st::dtype::I8 || t == st::dtype::F8_E4M3 || t == st::dtype::F8_E5M2;
+}
+
+/// The dequantisation factor of every row [h, j] of a quantized cache tensor [Hkv, L, d], from '<name>_scale'
+/// (F32): shape [] or [1] one factor for the tensor, [L] one per token, [Hkv, L] one per KV head and token; 1 when
+/// there is none (docs/algorithms.md section 9: the factor multiplies the code's value, in float).
+inline std::vector<float> row_factors(const st::file& in, const std::string& name, std::int64_t Hkv, std::int64_t L) {
+  const std::string scale_name = name + "_scale";
+  const st::tensor_info* s = in.find(scale_name);
+  std::vector<float> factors(static_cast<std::size_t>(Hkv * L), 1.0f);
+  if (!s) return factors;
+  const std::string expected = "F32 [] or [1] (one factor), [" + std::to_string(L) + "] (one per token) or [" +
+                               std::to_string(Hkv) + ", " + std::to_string(L) + "] (one per KV head and token)";
+  if (s->type != st::dtype::F32)
+    throw input_error("tensor '" + scale_name + "' has dtype " + st::dtype_name(s->type) + "; expected " + expected);
+  const std::vector<float> v = in.read_floats<float>(*s);
+  for (std::size_t i = 0; i < v.size(); ++i)
+    if (!std::isfinite(v[i]))
+      throw input_error("tensor '" + scale_name + "' element " + std::to_string(i) + " is " + std::to_string(v[i]) +
+                        "; expected finite dequantisation factors");
+  const auto& shape = s->shape;
+  if (shape.empty() || shape == std::vector<std::int64_t>{1})
+    std::fill(factors.begin(), factors.end(), v.at(0));
+  else if (shape == std::vector<std::int64_t>{L})
+    for (std::int64_t h = 0; h < Hkv; ++h) std::copy(v.begin(), v.end(), factors.begin() + h * L);
+  else if (shape == std::vector<std::int64_t>{Hkv, L})
+    factors = v;
+  else
+    throw input_error("tensor '" + scale_name + "' has shape " + shape_str(shape) + "; expected " + expected);
+  return factors;
+}
+
+/// A quantized cache tensor [Hkv, L, d] of codes T, dequantized as the library reads T: row [h, j] is
+/// float(code) * factor(h, j) in float (kvevict::detail::dequantize), then widened to S.
+template <class T, class S>
+std::vector<S> dequantized(const st::file& in, const st::tensor_info& t, const std::vector<float>& factors) {
+  const std::int64_t rows = t.shape[0] * t.shape[1], d = t.shape[2];
+  std::vector<T> codes(static_cast<std::size_t>(rows * d));
+  std::memcpy(codes.data(), in.raw(t), codes.size());  // one byte per code
+  std::vector<S> out(codes.size());
+  std::vector<float> row(static_cast<std::size_t>(d));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    kvevict::detail::dequantize(codes.data() + r * d, factors[static_cast<std::size_t>(r)], row.data(), d);
+    std::copy(row.begin(), row.end(), out.begin() + r * d);
+  }
+  return out;
+}
+
 template <class S>
-std::optional<Loaded<S>> load(const st::file& in, const std::string& name, std::size_t rank, const char* dims) {
+std::optional<Loaded<S>> load(const st::file& in, const std::string& name, std::size_t rank, const char* dims,
+                              bool cache = false) {
   const st::tensor_info* t = in.find(name);
   if (!t) return std::nullopt;
-  if (t->type != st::dtype::F64 && t->type != st::dtype::F32 && t->type != st::dtype::F16 && t->type != st::dtype::BF16)
+  const bool quantized = cache && is_quantized(t->type);
+  if (!quantized && t->type != st::dtype::F64 && t->type != st::dtype::F32 && t->type != st::dtype::F16 &&
+      t->type != st::dtype::BF16)
     throw input_error("tensor '" + name + "' has dtype " + st::dtype_name(t->type) +
-                      "; expected F64, F32, F16 or BF16");
+                      "; expected F64, F32, F16 or BF16" +
+                      (cache ? " (or a quantized cache: I8, F8_E4M3 or F8_E5M2 with '" + name + "_scale')" : ""));
   if (t->shape.size() != rank)
     throw input_error("tensor '" + name + "' has rank " + std::to_string(t->shape.size()) + "; expected rank " +
                       std::to_string(rank) + " " + dims);
   for (std::int64_t e : t->shape)
     if (e == 0) throw input_error("tensor '" + name + "' is empty; expected " + dims + " with no zero extent");
-  return Loaded<S>{in.read_floats<S>(*t), t->shape};
-}
-
-inline std::string shape_str(const std::vector<std::int64_t>& s) {
-  std::string out = "[";
-  for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
+  if (!quantized) {
+    if (cache && in.find(name + "_scale"))
+      throw input_error("tensor '" + name + "_scale' scales '" + name + "', which is " + st::dtype_name(t->type) +
+                        "; expected no scale for a floating cache (scales apply to I8, F8_E4M3 or F8_E5M2)");
+    return Loaded<S>{in.read_floats<S>(*t), t->shape};
+  }
+  const std::vector<float> factors = row_factors(in, name, t->shape[0], t->shape[1]);
+  switch (t->type) {
+    case st::dtype::I8:
+      return Loaded<S>{dequantized<std::int8_t, S>(in, *t, factors), t->shape};
+    case st::dtype::F8_E4M3:
+      return Loaded<S>{dequantized<kvevict::float8_e4m3, S>(in, *t, factors), t->shape};
+    default:
+      return Loaded<S>{dequantized<kvevict::float8_e5m2, S>(in, *t, factors), t->shape};
+  }
 }
 
 /// An integer tensor (I64, or I32 widened) of exactly the shape `expected`; nullopt when the file has none.
@@ -99,8 +169,8 @@ template <class S>
 LayerTensors<S> load_layer(const Options& opt, const st::file& in, Index layer, std::optional<Index>& window) {
   const std::string prefix = "layers." + std::to_string(layer) + ".";
   LayerTensors<S> t;
-  t.keys = load<S>(in, prefix + "keys", 3, "[kv_heads, tokens, head_dim]");
-  t.values = load<S>(in, prefix + "values", 3, "[kv_heads, tokens, head_dim]");
+  t.keys = load<S>(in, prefix + "keys", 3, "[kv_heads, tokens, head_dim]", /*cache=*/true);
+  t.values = load<S>(in, prefix + "values", 3, "[kv_heads, tokens, head_dim]", /*cache=*/true);
   t.queries = load<S>(in, prefix + "q_window", 3, "[heads, window, head_dim]");
   t.attention = load<S>(in, prefix + "window_attention", 3, "[heads, window, tokens]");
   t.w_o = load<S>(in, prefix + "w_o", 2, "[hidden, heads * head_dim]");

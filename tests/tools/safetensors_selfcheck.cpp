@@ -490,6 +490,16 @@ TEST_CASE("dtype names and sizes", "[safetensors]") {
   CHECK(std::string(st::dtype_name(st::dtype::BF16)) == "BF16");
   CHECK((st::dtype_size(st::dtype::F64) == 8 && st::dtype_size(st::dtype::BF16) == 2 &&
          st::dtype_size(st::dtype::BOOL) == 1));
+  // The quantized cache codes: one byte each, parsed from their safetensors names.
+  for (st::dtype t : {st::dtype::I8, st::dtype::F8_E4M3, st::dtype::F8_E5M2}) {
+    const std::string name = st::dtype_name(t);
+    CHECK(st::dtype_size(t) == 1);
+    const st::file parsed =
+        parse_header("{\"t\":{\"dtype\":\"" + name + "\",\"shape\":[2,3],\"data_offsets\":[0,6]}}", 8);
+    REQUIRE(parsed.tensors().size() == 1);
+    CHECK(parsed.tensors()[0].type == t);
+  }
+  CHECK(std::string(st::dtype_name(st::dtype::F8_E4M3)) == "F8_E4M3");
 }
 
 TEST_CASE("writer errors", "[safetensors]") {
@@ -670,7 +680,7 @@ TEST_CASE("malformed: missing and ill-typed fields", "[safetensors]") {
 
 TEST_CASE("malformed: unknown dtype", "[safetensors]") {
   EXPECT_ERROR(parse_header(R"({"t":{"dtype":"F8","shape":[2],"data_offsets":[0,2]}})", 8),
-               {"tensor 't'", "unknown dtype 'F8'", "BF16"});
+               {"tensor 't'", "unknown dtype 'F8'", "BF16", "F8_E4M3"});
   EXPECT_ERROR(parse_header(R"({"t":{"dtype":"f32","shape":[2],"data_offsets":[0,8]}})", 8),
                {"tensor 't'", "unknown dtype 'f32'"});
   EXPECT_ERROR(parse_header(R"({"t":{"dtype":"","shape":[2],"data_offsets":[0,8]}})", 8),

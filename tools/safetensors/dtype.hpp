@@ -13,7 +13,8 @@
 
 namespace safetensors {
 
-enum class dtype { F64, F32, F16, BF16, I64, I32, U8, BOOL };
+/// I8, F8_E4M3 and F8_E5M2: the codes of a quantized KV cache (read as raw bytes; select_run.hpp dequantizes them).
+enum class dtype { F64, F32, F16, BF16, I64, I32, U8, BOOL, I8, F8_E4M3, F8_E5M2 };
 
 inline std::size_t dtype_size(dtype t) {
   switch (t) {
@@ -28,10 +29,13 @@ inline std::size_t dtype_size(dtype t) {
       return 2;
     case dtype::U8:
     case dtype::BOOL:
+    case dtype::I8:
+    case dtype::F8_E4M3:
+    case dtype::F8_E5M2:
       return 1;
   }
   throw error("invalid dtype enumerator " + std::to_string(static_cast<int>(t)) +
-              "; expected one of F64, F32, F16, BF16, I64, I32, U8, BOOL");
+              "; expected one of F64, F32, F16, BF16, I64, I32, U8, BOOL, I8, F8_E4M3, F8_E5M2");
 }
 
 inline const char* dtype_name(dtype t) {
@@ -52,6 +56,12 @@ inline const char* dtype_name(dtype t) {
       return "U8";
     case dtype::BOOL:
       return "BOOL";
+    case dtype::I8:
+      return "I8";
+    case dtype::F8_E4M3:
+      return "F8_E4M3";
+    case dtype::F8_E5M2:
+      return "F8_E5M2";
   }
   return "<invalid dtype>";
 }
@@ -61,8 +71,9 @@ namespace detail {
 /// The dtype named `s` (exact, case-sensitive match); false if there is none.
 inline bool parse_dtype(const std::string& s, dtype& out) {
   static const std::pair<const char*, dtype> table[] = {
-      {"F64", dtype::F64}, {"F32", dtype::F32}, {"F16", dtype::F16}, {"BF16", dtype::BF16},
-      {"I64", dtype::I64}, {"I32", dtype::I32}, {"U8", dtype::U8},   {"BOOL", dtype::BOOL}};
+      {"F64", dtype::F64}, {"F32", dtype::F32},         {"F16", dtype::F16},        {"BF16", dtype::BF16},
+      {"I64", dtype::I64}, {"I32", dtype::I32},         {"U8", dtype::U8},          {"BOOL", dtype::BOOL},
+      {"I8", dtype::I8},   {"F8_E4M3", dtype::F8_E4M3}, {"F8_E5M2", dtype::F8_E5M2}};
   for (const auto& entry : table) {
     if (s == entry.first) {
       out = entry.second;
@@ -83,6 +94,9 @@ inline bool valid_dtype(dtype t) {
     case dtype::I32:
     case dtype::U8:
     case dtype::BOOL:
+    case dtype::I8:
+    case dtype::F8_E4M3:
+    case dtype::F8_E5M2:
       return true;
   }
   return false;

@@ -102,7 +102,8 @@ class header_handler {
     }
     if (state_ == state::tensor_value && field_ == field::dtype) {
       if (!parse_dtype(s, type_))
-        fail_tensor("unknown dtype " + quote(s) + "; expected one of F64, F32, F16, BF16, I64, I32, U8, BOOL");
+        fail_tensor("unknown dtype " + quote(s) +
+                    "; expected one of F64, F32, F16, BF16, I64, I32, U8, BOOL, I8, F8_E4M3, F8_E5M2");
       has_dtype_ = true;
       state_ = state::tensor_key;
       return true;
