@@ -7,6 +7,7 @@
 #include <limits>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "kvevict/core/convert.hpp"
 #include "kvevict/core/inputs.hpp"
@@ -94,14 +95,11 @@ void window_logits(const QMat& q_win, const KMat& k, RowMatrix<S>& logits, RowMa
   }
 }
 
-/// rows [w, L] = softmax(q_win k^T / sqrt(d)) with the causal mask inside the window; q_win [w, d] in S, k [L, d]
-/// in its storage type (converted block by block, window_logits).
-template <class S, class QMat, class KMat>
-void softmax_window_rows(const QMat& q_win, const KMat& k, RowMatrix<S>& rows, RowMatrix<S>& buffer,
-                         const RowScale& keys_scale = {}) {
-  const Index w = q_win.rows(), L = k.rows(), P = L - w;
-  window_logits<S>(q_win, k, rows, buffer, keys_scale);
-  const S scale = std::sqrt(static_cast<S>(k.cols()));
+/// rows [w, L] = softmax(rows / sqrt(d)) with the causal mask inside the window, in place on the logits.
+template <class S>
+void causal_softmax(RowMatrix<S>& rows, Index d) {
+  const Index w = rows.rows(), L = rows.cols(), P = L - w;
+  const S scale = std::sqrt(static_cast<S>(d));
   for (Index i = 0; i < w; ++i) {
     const Index visible = P + i + 1;  // causal: keys [0, P + i]
     auto row = rows.row(i);
@@ -110,6 +108,34 @@ void softmax_window_rows(const QMat& q_win, const KMat& k, RowMatrix<S>& rows, R
     row.head(visible) = (row.head(visible).array() - m).exp();
     row.head(visible) /= row.head(visible).sum();
     row.tail(L - visible).setZero();
+  }
+}
+
+/// rows [w, L] = softmax(q_win k^T / sqrt(d)) with the causal mask inside the window; q_win [w, d] in S, k [L, d]
+/// in its storage type (converted block by block, window_logits).
+template <class S, class QMat, class KMat>
+void softmax_window_rows(const QMat& q_win, const KMat& k, RowMatrix<S>& rows, RowMatrix<S>& buffer,
+                         const RowScale& keys_scale = {}) {
+  window_logits<S>(q_win, k, rows, buffer, keys_scale);
+  causal_softmax(rows, k.cols());
+}
+
+/// The logits of the G query heads of one KV head whose keys are stored in another type than S: each block of keys
+/// is converted once (read_rows) and multiplied by every head's queries, so the conversion is paid once per KV
+/// head, not G times. rows[g] [w, L] receives q_win(g) k^T, with the same block products as window_logits (bit for
+/// bit the same logits); q_win(g) is query head g of the group, [w, d] in S.
+template <class S, class QOf, class KMat>
+void group_window_logits(QOf&& q_win, Index G, const KMat& k, std::vector<RowMatrix<S>>& rows, RowMatrix<S>& buffer,
+                         const RowScale& scale) {
+  const Index L = k.rows();
+  rows.resize(static_cast<std::size_t>(G));
+  for (Index g = 0; g < G; ++g) rows[static_cast<std::size_t>(g)].resize(q_win(g).rows(), L);
+  for (Index j0 = 0; j0 < L;) {
+    const Index n = L - j0 < 2 * kKeyBlock ? L - j0 : kKeyBlock;
+    read_rows<S>(k.middleRows(j0, n), scale.from(j0), buffer);
+    for (Index g = 0; g < G; ++g)
+      rows[static_cast<std::size_t>(g)].middleCols(j0, n).noalias() = q_win(g) * buffer.transpose();
+    j0 += n;
   }
 }
 
@@ -179,15 +205,42 @@ class WindowObservation {
   /// Calls f(q, rows) for every query head q; rows is [w, L_h] (full softmax rows over the entries of KV head
   /// h = q / G, prefix then window; L_h = L on a dense layer). The G query
   /// heads of a KV head are visited in order, on one thread; with KVEVICT_OPENMP (core/parallel.hpp) different KV
-  /// heads run concurrently, so f may only touch state of KV head q / G. Extra memory O(w L) per thread.
+  /// heads run concurrently, so f may only touch state of KV head q / G. Extra memory O(w L) per thread; keys
+  /// stored in another type than S (half, bfloat16, int8, fp8) are converted once per KV head for its G query heads
+  /// (group_window_logits), which holds the G heads' rows at once: O(G w L) per thread.
   template <class F>
   void for_each_head(F&& f) const {
     const Index G = shape_.group;
     struct Scratch {
       RowMatrix<S> rows, queries, buffer;  // [w, L]; [w, d] in S when stored otherwise; a block of keys in S
+      std::vector<RowMatrix<S>> group_rows, group_queries;  // G x [w, L], G x [w, d] (keys stored otherwise)
     };
     detail::parallel_for_with<Scratch>(shape_.kv_heads, [&](Index h, Scratch& scratch) {
       RowMatrix<S>& rows = scratch.rows;
+      if constexpr (!std::is_same_v<std::remove_const_t<KV>, S>) {
+        if (from_queries_) {
+          const auto keys = keys_.head(h).topRows(shape_.length(h));
+          const auto group_logits = [&](auto&& q_win) {
+            detail::group_window_logits<S>(q_win, G, keys, scratch.group_rows, scratch.buffer,
+                                           detail::row_scale(keys_scale_, h));
+          };
+          if constexpr (std::is_same_v<std::remove_const_t<Q>, S>) {
+            group_logits([&](Index g) { return queries_.head(h * G + g); });
+          } else {
+            scratch.group_queries.resize(static_cast<std::size_t>(G));
+            for (Index g = 0; g < G; ++g)
+              scratch.group_queries[static_cast<std::size_t>(g)] = queries_.head(h * G + g).template cast<S>();
+            group_logits(
+                [&](Index g) -> const RowMatrix<S>& { return scratch.group_queries[static_cast<std::size_t>(g)]; });
+          }
+          for (Index g = 0; g < G; ++g) {
+            RowMatrix<S>& head = scratch.group_rows[static_cast<std::size_t>(g)];
+            detail::causal_softmax(head, keys_.cols());
+            f(h * G + g, static_cast<const RowMatrix<S>&>(head));
+          }
+          return;
+        }
+      }
       for (Index q = h * G; q < (h + 1) * G; ++q) {
         if (!from_queries_) {
           head_rows(q, rows);
