@@ -7,6 +7,9 @@
 
 #include <Eigen/Core>
 
+#include <cmath>
+#include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -86,6 +89,41 @@ TEMPLATE_TEST_CASE(
       const auto a = ext::value_norms<float>(narrow.in.values, narrow.in.w_o, shape, norm, &gram);
       const auto b = ext::value_norms<float>(wide.in.values, wide.in.w_o, shape, norm, &gram);
       CHECK((a.array() == b.array()).all());
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("half storage: NaN and Inf keys and values are refused by name, found on their bits",
+                   "[views][errors]", Eigen::half, Eigen::bfloat16) {
+  using T = TestType;
+  // Every bit pattern: the bit test agrees with the float value's finiteness.
+  int wrong = 0, non_finite = 0;
+  for (int b = 0; b < 65536; ++b) {
+    const T x = Eigen::numext::bit_cast<T>(static_cast<std::uint16_t>(b));
+    const Eigen::Matrix<T, 1, 1> one(x);
+    const bool finite = std::isfinite(static_cast<float>(x));
+    non_finite += finite ? 0 : 1;
+    wrong += kvevict::detail::all_finite(one) == finite ? 0 : 1;
+  }
+  CHECK(wrong == 0);
+  CHECK(non_finite == (std::is_same_v<T, Eigen::half> ? 2 * 1024 : 2 * 128));
+  // One bad entry anywhere in rows of 70 (two 32-wide chunks and a tail) is named with its position.
+  Rng rng(3);
+  const VLayer l = kvevict_test::random_vlayer(Shape{4, 2, 4, 40, 70}, 8, rng);
+  const kvevict::SnapKV snap([&] {
+    kvevict::SnapKV::Params p;
+    p.window = l.s.w;
+    return p;
+  }());
+  for (int c : {0, 31, 32, 63, 64, 69}) {
+    auto stored = kvevict_test::store_v<T>(l, Layout::heads_major);
+    const float bad = c % 2 ? std::numeric_limits<float>::infinity() : std::numeric_limits<float>::quiet_NaN();
+    stored.k[static_cast<std::size_t>((1 * l.s.L + 17) * l.s.d + c)] = T(bad);  // heads-major [Hkv, L, d]
+    try {
+      snap.select(stored.in, Budget::tokens(10));
+      FAIL("accepted a non-finite key at column " << c);
+    } catch (const kvevict::invalid_argument& e) {
+      CHECK_THAT(e.what(), Catch::Contains("keys[1, 17, " + std::to_string(c) + "] is not finite"));
     }
   }
 }
