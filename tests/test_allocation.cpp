@@ -13,6 +13,8 @@
 #include "support/matchers.hpp"
 #include "support/random_inputs.hpp"
 
+namespace test_allocation {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::HeadAdaptiveAllocation;
 using kvevict::Index;
 using kvevict::extend::KeepFlags;
@@ -247,3 +249,5 @@ TEST_CASE("HeadAdaptiveAllocation::Params validates alpha", "[allocation][errors
   p.alpha = 1.0;
   CHECK_NOTHROW(p.validate("AdaKV"));
 }
+
+}  // namespace test_allocation

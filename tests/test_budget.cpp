@@ -12,6 +12,8 @@
 #include "support/matchers.hpp"
 #include "support/random_inputs.hpp"
 
+namespace test_budget {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::Budget;
 using kvevict_test::MessageContains;
 
@@ -131,3 +133,5 @@ TEST_CASE("compression ratio must be in [0, 1)", "[budget][errors]") {
   CHECK_NOTHROW(Budget::compression_ratio(0.0));
   CHECK_NOTHROW(Budget::compression_ratio(std::nextafter(1.0, 0.0)));
 }
+
+}  // namespace test_budget

@@ -15,6 +15,8 @@
 #include "support/random_inputs.hpp"
 #include "support/selector_inputs.hpp"
 
+namespace test_catalogue {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::Budget;
 using kvevict::Index;
 using kvevict::Selection;
@@ -318,3 +320,5 @@ TEST_CASE("the precomputed Gram of a bf16 W_o goes with the W_o storage type", "
   without.w_o_gram = nullptr;
   CHECK(same(policy.select(m.in, Budget::tokens(20)), policy.select(without, Budget::tokens(20))));
 }
+
+}  // namespace test_catalogue

@@ -15,6 +15,8 @@
 #include "support/random_inputs.hpp"
 #include "support/selector_inputs.hpp"
 
+namespace test_critical_selector {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::Budget;
 using kvevict::Index;
 using kvevict::Pooling;
@@ -362,3 +364,5 @@ TEST_CASE("CriticalKV parameters: defaults, validation, and quirks with any budg
   CHECK(kvevict_test::kept_of(q.select<double>(hand_layer().in, Budget::keep_ratio(0.5))) == by_tokens);
   CHECK(kvevict_test::kept_of(q.select<double>(hand_layer().in, Budget::compression_ratio(0.5))) == by_tokens);
 }
+
+}  // namespace test_critical_selector

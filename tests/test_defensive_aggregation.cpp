@@ -12,6 +12,8 @@
 #include "support/random_inputs.hpp"
 #include "support/selector_inputs.hpp"
 
+namespace test_defensive_aggregation {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::Index;
 using kvevict::Pooling;
 using kvevict::RowMatrix;
@@ -255,3 +257,5 @@ TEST_CASE("defensive aggregation: a window row with no prefix mass contributes z
   const std::vector<double> none = {0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0.5, 0.5};
   CHECK(aggregate(none, s, 5, Pooling::avg, true) == std::vector<double>{0, 0, 0, 0});
 }
+
+}  // namespace test_defensive_aggregation

@@ -16,6 +16,8 @@
 #include "support/random_inputs.hpp"
 #include "support/selector_inputs.hpp"
 
+namespace test_defensive_selector {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::Budget;
 using kvevict::Index;
 using kvevict::Pooling;
@@ -668,3 +670,5 @@ TEST_CASE(
   CHECK(kvevict_test::kept_of(kvevict::LayerDefensiveKV(lp).select<double>(
             std::vector<kvevict::LayerInputs<double>>{in}, Budget::tokens(2))[0]) == Kept{{5, 9}});
 }
+
+}  // namespace test_defensive_selector

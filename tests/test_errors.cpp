@@ -11,6 +11,8 @@
 #include "support/matchers.hpp"
 #include "support/random_inputs.hpp"
 
+namespace test_errors {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::Budget;
 using kvevict::HeadsView;
 using kvevict::Index;
@@ -347,3 +349,5 @@ TEST_CASE("errors are std::invalid_argument too", "[errors]") {
   REQUIRE_THROWS_AS(Budget::keep_ratio(2.0), std::invalid_argument);
   REQUIRE_THROWS_AS(Budget::tokens(0).n_kept(5), std::invalid_argument);
 }
+
+}  // namespace test_errors

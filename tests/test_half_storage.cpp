@@ -16,6 +16,8 @@
 #include "support/random_inputs.hpp"
 #include "support/selector_inputs.hpp"
 
+namespace test_half_storage {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::Budget;
 using kvevict::Selection;
 using kvevict_test::Layout;
@@ -127,3 +129,5 @@ TEMPLATE_TEST_CASE("half storage: NaN and Inf keys and values are refused by nam
     }
   }
 }
+
+}  // namespace test_half_storage

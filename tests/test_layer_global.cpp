@@ -15,6 +15,8 @@
 #include "support/random_inputs.hpp"
 #include "support/selector_inputs.hpp"
 
+namespace test_layer_global {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::Budget;
 using kvevict::Index;
 using kvevict::Pooling;
@@ -461,3 +463,5 @@ TEST_CASE("LayerGlobalPolicy errors: no layer, bad layer shapes, bad params", "[
   REQUIRE_THROWS_MATCHES(kvevict::LayerGlobalPolicy<kvevict::CriticalSelector>(cp), kvevict::invalid_argument,
                          MessageContains("kernel must be an odd number"));
 }
+
+}  // namespace test_layer_global

@@ -12,6 +12,8 @@
 #include "support/random_inputs.hpp"
 #include "support/selector_inputs.hpp"
 
+namespace test_layout {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::Budget;
 using kvevict::Index;
 using kvevict::Reduce;
@@ -211,3 +213,5 @@ TEST_CASE("layout: refused layouts name what is wrong", "[layout][errors]") {
                          kvevict_test::MessageContains("per_layer sharing needs every KV head of the layer to hold "
                                                        "the same entries"));
 }
+
+}  // namespace test_layout

@@ -16,6 +16,8 @@
 #include "support/random_inputs.hpp"
 #include "support/reference_layout.hpp"
 
+namespace test_layout_reference {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::Budget;
 using kvevict::Index;
 using kvevict::Selection;
@@ -221,3 +223,5 @@ TEST_CASE("layout reference: every policy x sharing x block x reduce, random lay
   CHECK(compared > 1000);
   CHECK(near_ties * 100 < compared);  // rare: a tie broken by rounding, not a semantic difference
 }
+
+}  // namespace test_layout_reference

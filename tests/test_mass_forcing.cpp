@@ -14,6 +14,8 @@
 #include "support/random_inputs.hpp"
 #include "support/selector_inputs.hpp"
 
+namespace test_mass_forcing {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::Index;
 using kvevict::RowMatrix;
 using kvevict::extend::MassStatistics;
@@ -355,3 +357,5 @@ TEST_CASE(
   CHECK(cases == 6 * 4 * 8 * 8);
   CHECK(stopped_early > 50);  // the early stop is exercised, not only the full walk
 }
+
+}  // namespace test_mass_forcing

@@ -8,6 +8,8 @@
 
 #include "support/random_inputs.hpp"
 
+namespace test_mean_aggregation {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::Index;
 using kvevict::Pooling;
 using kvevict_test::Layout;
@@ -139,3 +141,5 @@ TEST_CASE("mean_scores with kernel 1: each head's scores sum to the mean prefix 
     CHECK(total == Approx(mass / (s.G() * s.w)).epsilon(1e-12));
   }
 }
+
+}  // namespace test_mean_aggregation

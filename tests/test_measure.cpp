@@ -14,6 +14,8 @@
 #include "support/random_inputs.hpp"
 #include "support/selector_inputs.hpp"
 
+namespace test_measure {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::Budget;
 using kvevict::HeadsView;
 using kvevict::Index;
@@ -261,3 +263,5 @@ TEST_CASE("measurement errors", "[measure][errors]") {
   REQUIRE_THROWS_MATCHES(kvevict::output_perturbation(f, bad, sel), kvevict::invalid_argument,
                          MessageContains("w_o must be"));
 }
+
+}  // namespace test_measure

@@ -11,6 +11,8 @@
 #include "support/random_inputs.hpp"
 #include "support/selector_inputs.hpp"
 
+namespace test_output_gram {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using Catch::Matchers::Contains;
 using kvevict::Budget;
 using kvevict::OutputGram;
@@ -101,3 +103,5 @@ TEST_CASE("w_o_gram: a Gram of the wrong shape or with NaN is refused", "[value]
   stored.in.w_o_gram = &gram;
   CHECK_NOTHROW(policy.select(stored.in, Budget::tokens(6)));
 }
+
+}  // namespace test_output_gram

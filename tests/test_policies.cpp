@@ -12,6 +12,8 @@
 
 #include "support/random_inputs.hpp"
 
+namespace test_policies {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::Budget;
 using kvevict::HeadAdaptiveAllocation;
 using kvevict::Index;
@@ -318,3 +320,5 @@ TEST_CASE("selecting does not modify the inputs", "[policies]") {
   CHECK(st.k == k0);
   CHECK(st.in.keys.data() == st.k.data());
 }
+
+}  // namespace test_policies

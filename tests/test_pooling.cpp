@@ -8,6 +8,8 @@
 
 #include "support/random_inputs.hpp"
 
+namespace test_pooling {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::Index;
 using kvevict::Pooling;
 using kvevict_test::Rng;
@@ -83,3 +85,5 @@ TEST_CASE("pooling names", "[pooling]") {
   CHECK(std::strcmp(kvevict::to_string(Pooling::avg), "avg") == 0);
   CHECK(std::strcmp(kvevict::to_string(Pooling::max), "max") == 0);
 }
+
+}  // namespace test_pooling

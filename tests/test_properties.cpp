@@ -18,6 +18,8 @@
 #include "support/random_inputs.hpp"
 #include "support/selector_inputs.hpp"
 
+namespace test_properties {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::Budget;
 using kvevict::Index;
 using kvevict::Selection;
@@ -351,3 +353,5 @@ TEST_CASE("properties: a value term that overflows float is refused with a messa
   CHECK(refused + selected == 400);
   WARN("float overflow of the value term: " << refused << " refused, " << selected << " selected");
 }
+
+}  // namespace test_properties

@@ -16,6 +16,8 @@
 
 #include "support/random_inputs.hpp"
 
+namespace test_quantized_storage {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::Budget;
 using kvevict::Index;
 using kvevict::Selection;
@@ -349,3 +351,5 @@ TEST_CASE("quantized storage: bad scales and non-finite values are refused by na
     CHECK(critical.select(in, budget).indices() == critical.select(ref, budget).indices());
   }
 }
+
+}  // namespace test_quantized_storage

@@ -18,6 +18,8 @@
 #include "support/ragged_inputs.hpp"
 #include "support/random_inputs.hpp"
 
+namespace test_ragged {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::Budget;
 using kvevict::Index;
 using kvevict::Selection;
@@ -253,3 +255,5 @@ TEST_CASE("ragged: bad lengths, positions and windows are refused", "[ragged][er
         MessageContains("n_kept must be in [1, " + std::to_string(total / 2) + "] (the mean entries per KV head"));
   }
 }
+
+}  // namespace test_ragged

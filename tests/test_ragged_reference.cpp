@@ -14,6 +14,8 @@
 #include "support/random_inputs.hpp"
 #include "support/reference_ragged.hpp"
 
+namespace test_ragged_reference {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::Budget;
 using kvevict::Index;
 using kvevict::Selection;
@@ -168,3 +170,5 @@ TEST_CASE("ragged reference: Layer-DefensiveKV over ragged layers of different l
     }
   }
 }
+
+}  // namespace test_ragged_reference

@@ -32,6 +32,8 @@
 
 #include "support/matchers.hpp"
 
+namespace test_rope {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::HeadsView;
 using kvevict::Index;
 using kvevict::Rope;
@@ -635,3 +637,5 @@ TEST_CASE("rerotate and rerotate_kept: errors name the entry point, the field an
   // Every check runs before the first write: a refused call leaves the keys as they were.
   CHECK(buf == untouched);
 }
+
+}  // namespace test_rope

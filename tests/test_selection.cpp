@@ -11,6 +11,8 @@
 #include "support/matchers.hpp"
 #include "support/random_inputs.hpp"
 
+namespace test_selection {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::HeadsView;
 using kvevict::Index;
 using kvevict::Selection;
@@ -261,3 +263,5 @@ TEST_CASE("compact() with a zero-capacity destination for an empty selection", "
                             HeadsView<double>(dst.data(), 2, 0, 4, 0, 4)));
   CHECK(dst[0] == 5.0);
 }
+
+}  // namespace test_selection

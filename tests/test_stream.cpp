@@ -14,6 +14,8 @@
 #include "support/matchers.hpp"
 #include "support/random_inputs.hpp"
 
+namespace test_stream {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::Budget;
 using kvevict::Index;
 using kvevict::Selection;
@@ -267,3 +269,5 @@ TEST_CASE("stream: shared and block layouts stay shared, whole and within budget
       });
     }
 }
+
+}  // namespace test_stream

@@ -10,6 +10,8 @@
 #include "support/matchers.hpp"
 #include "support/random_inputs.hpp"
 
+namespace test_streaming {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::Budget;
 using kvevict::Index;
 using kvevict::StreamingLLM;
@@ -108,3 +110,5 @@ TEST_CASE("StreamingLLM errors", "[streaming][errors]") {
   REQUIRE_THROWS_MATCHES(s.select(empty, Budget::tokens(1)), kvevict::invalid_argument,
                          MessageContains("kvevict::StreamingLLM::select: keys must be a non-empty"));
 }
+
+}  // namespace test_streaming

@@ -14,6 +14,8 @@
 #include "support/random_inputs.hpp"
 #include "support/selector_inputs.hpp"
 
+namespace test_thread_safety {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::Budget;
 using kvevict::Selection;
 using kvevict_test::Layout;
@@ -89,3 +91,5 @@ TEST_CASE("thread safety: one policy object shared by threads gives the single-t
   const auto expected = flat(policy.select(layers, Budget::keep_ratio(0.1)));
   CHECK(concurrent_mismatches(expected, [&] { return flat(policy.select(layers, Budget::keep_ratio(0.1))); }) == 0);
 }
+
+}  // namespace test_thread_safety

@@ -13,6 +13,8 @@
 #include "support/matchers.hpp"
 #include "support/random_inputs.hpp"
 
+namespace test_topk {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::Index;
 using kvevict::extend::KeepFlags;
 using kvevict::extend::ScoreMap;
@@ -199,3 +201,5 @@ TEST_CASE("top-k in float scores behaves like double", "[topk]") {
   for (Index k : {0, 1, 33, 100, 200})
     CHECK(kvevict::extend::top_k_counts(mf, k) == kvevict::extend::top_k_counts(md, k));
 }
+
+}  // namespace test_topk

@@ -15,6 +15,8 @@
 #include "support/random_inputs.hpp"
 #include "support/selector_inputs.hpp"
 
+namespace test_value_norm {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::Budget;
 using kvevict::HeadsView;
 using kvevict::Index;
@@ -272,3 +274,5 @@ TEST_CASE("the L2 Gram path selects exactly as the reference's direct L2 norms (
   }
   CHECK(skipped * 10 <= cases);
 }
+
+}  // namespace test_value_norm

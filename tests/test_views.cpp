@@ -11,6 +11,8 @@
 #include "support/matchers.hpp"
 #include "support/random_inputs.hpp"
 
+namespace test_views {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::HeadsView;
 using kvevict::Index;
 using kvevict_test::MessageContains;
@@ -206,3 +208,5 @@ TEST_CASE("selection over padded strided views equals the selection over dense s
           kvevict_test::kept_of(ada.select<double>(dense.in, b)));
   }
 }
+
+}  // namespace test_views

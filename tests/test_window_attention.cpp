@@ -8,6 +8,8 @@
 
 #include "support/random_inputs.hpp"
 
+namespace test_window_attention {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 using kvevict::Index;
 using kvevict_test::Layout;
 using kvevict_test::Rng;
@@ -187,3 +189,5 @@ TEST_CASE("WindowObservation: queries route computes rows, attention route passe
         CHECK(rows_f(i, j) == static_cast<double>(attn_f[sz(((s.H - 1) * s.w + i) * s.L + j)]));
   }
 }
+
+}  // namespace test_window_attention

@@ -21,7 +21,7 @@ else()
     $<$<C_COMPILER_ID:GNU,Clang,AppleClang>:-Wall -Wextra -pedantic -Wshadow -Werror>)
   # The sanitizer presets set CMAKE_CXX_FLAGS only: the C program gets the same sanitizers (and their -O1), so that
   # the sanitizer run covers it too.
-  if(CMAKE_CXX_FLAGS MATCHES "-fsanitize=")
+  if(KVEVICT_SANITIZED)
     separate_arguments(_kvevict_c_sanitize UNIX_COMMAND "${CMAKE_CXX_FLAGS}")
     list(FILTER _kvevict_c_sanitize INCLUDE REGEX "^-(fsanitize|fno-sanitize|fno-omit-frame-pointer|O)")
     target_compile_options(kvevict_c_program PRIVATE ${_kvevict_c_sanitize})
@@ -35,7 +35,7 @@ endif()
 
 # The comparison with the C++ API in dev and clang (under the sanitizers the C program above covers the C API's
 # memory: every policy and every error path; this test is a 4-minute compile there and adds no path of its own).
-if(CMAKE_CXX_FLAGS MATCHES "-fsanitize=")
+if(KVEVICT_SANITIZED)
   return()
 endif()
 find_package(Threads REQUIRED)

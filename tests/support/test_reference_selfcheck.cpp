@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <vector>
 
+namespace test_reference_selfcheck {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 namespace {
 
 using kvevict_ref::Kept;
@@ -212,3 +214,5 @@ TEST_CASE("reference snapkv and adakv: budget and window properties on random sc
 }
 
 }  // namespace
+
+}  // namespace test_reference_selfcheck

@@ -24,6 +24,8 @@
 #include "support/reference.hpp"
 #include "support/reference_ragged.hpp"
 
+namespace test_reference_selfcheck_layout {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 namespace {
 
 namespace rg = kvevict_ref::ragged;
@@ -837,3 +839,5 @@ TEST_CASE("layout reference: the layouts coincide where the groups do", "[refere
 }
 
 }  // namespace
+
+}  // namespace test_reference_selfcheck_layout

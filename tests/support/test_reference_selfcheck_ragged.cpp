@@ -23,6 +23,8 @@
 
 #include "support/reference.hpp"
 
+namespace test_reference_selfcheck_ragged {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 namespace {
 
 namespace rg = kvevict_ref::ragged;
@@ -656,3 +658,5 @@ TEST_CASE("ragged reference: budgets, windows and compositions on random ragged 
 }
 
 }  // namespace
+
+}  // namespace test_reference_selfcheck_ragged

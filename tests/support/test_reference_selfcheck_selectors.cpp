@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <vector>
 
+namespace test_reference_selfcheck_selectors {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 namespace {
 
 using kvevict_ref::Kept;
@@ -393,3 +395,5 @@ TEST_CASE("reference selectors: budget, window and forcing properties on random 
 }
 
 }  // namespace
+
+}  // namespace test_reference_selfcheck_selectors

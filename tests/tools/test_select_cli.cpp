@@ -15,6 +15,8 @@
 #include "safetensors.hpp"
 #include "support/reference.hpp"
 
+namespace test_select_cli {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 namespace fs = std::filesystem;
 namespace st = safetensors;
 
@@ -247,3 +249,5 @@ TEST_CASE("kvevict-select rejects bad input with one clear line and a non-zero e
     expect_failure("--base adakv --selector nosuch --budget 10" + io, "unknown selector");
   }
 }
+
+}  // namespace test_select_cli

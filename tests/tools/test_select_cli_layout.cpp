@@ -24,6 +24,8 @@
 #include "safetensors.hpp"
 #include "support/ragged_inputs.hpp"
 
+namespace test_select_cli_layout {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 namespace fs = std::filesystem;
 namespace st = safetensors;
 using kvevict::Index;
@@ -373,3 +375,5 @@ TEST_CASE("kvevict-select: the library's layout errors come through with its mes
   }
   CHECK_FALSE(fs::exists(out));
 }
+
+}  // namespace test_select_cli_layout

@@ -15,6 +15,8 @@
 #include "cli_run.hpp"
 #include "safetensors.hpp"
 
+namespace test_select_cli_quantized {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 namespace fs = std::filesystem;
 namespace st = safetensors;
 
@@ -194,3 +196,5 @@ TEST_CASE("kvevict-select refuses bad quantized caches and scales with one clear
     expect_failure({q8, keys.codes}, "'layers.0.q_window' has dtype I8; expected F64, F32, F16 or BF16");
   }
 }
+
+}  // namespace test_select_cli_quantized

@@ -21,6 +21,8 @@
 #include "support/ragged_inputs.hpp"
 #include "support/reference_ragged.hpp"
 
+namespace test_select_cli_ragged {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 namespace fs = std::filesystem;
 namespace st = safetensors;
 namespace ref = kvevict_ref::ragged;
@@ -450,3 +452,5 @@ TEST_CASE("kvevict-select rejects bad lengths and positions with one clear line"
     expect_failure(with({lengths(into_padding)}), snapkv, {"is not finite (nan)"});
   }
 }
+
+}  // namespace test_select_cli_ragged

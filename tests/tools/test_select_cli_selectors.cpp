@@ -22,6 +22,8 @@
 #include "safetensors.hpp"
 #include "support/selector_inputs.hpp"
 
+namespace test_select_cli_selectors {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
 namespace fs = std::filesystem;
 namespace st = safetensors;
 using kvevict_test::DefBase;
@@ -401,3 +403,5 @@ TEST_CASE("kvevict-select value-aware policies reject bad input with one clear l
     expect_failure("--policy defensivekv --budget 12 --value-norm" + io(bad, out), 2, "--value-norm must be l1 or l2");
   }
 }
+
+}  // namespace test_select_cli_selectors
