@@ -20,7 +20,9 @@
 // bf16 for snapkv and adakv and bf16 for defensivekv-l2: keys, values, window queries and W_o in that type,
 // arithmetic in float; and quantized caches (i8: int8 with per-head-token scales, e4m3 with a tensor scale, e5m2)
 // for snapkv, adakv and defensivekv-l2 (not e5m2), queries and W_o in float. Those rows also report x_floor_f32
-// (and x_floors_f32): the same ratio to the f32 floors.
+// (and x_floors_f32): the same ratio to the f32 floors. The "-l1" rows of CriticalSelector policies prune the value
+// term (the default): computed = fraction of the scored entries whose term was computed, x_unpruned = the unpruned
+// path's time / time and same_as_unpruned = 1 when it keeps the same tokens (both measured in this run).
 // Built with KVEVICT_OPENMP, the library (and Eigen's floor GEMMs) run on OpenMP threads, and x_threads = one
 // thread's time / time.
 
@@ -61,12 +63,49 @@ using clock_type = std::chrono::steady_clock;
 /// layer there).
 constexpr Index kNaiveContext = 32768;
 
+/// Window attention rows [H, w, L] "like real heads" (as BM_MassForcing's peaked rows): each KV group ranks its
+/// tokens in a random order and token of rank r gets (r + 1)^-1.5 times a per-row factor in [0.5, 1.5), causal in
+/// the window, each row normalised. Random keys and queries give nearly flat rows instead (the mean score of a
+/// token then hardly varies, the worst case for pruning the L1 value term).
+std::vector<float> peaked_attention(const Model& m, Index L) {
+  const Index G = m.H / m.Hkv, P = L - kWindow;
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> u(0.5f, 1.5f);
+  std::vector<float> a(static_cast<std::size_t>(m.H * kWindow * L));
+  std::vector<Index> rank(static_cast<std::size_t>(L));
+  for (Index h = 0; h < m.Hkv; ++h) {
+    std::iota(rank.begin(), rank.end(), Index{0});
+    std::shuffle(rank.begin(), rank.end(), rng);
+    for (Index q = h * G; q < (h + 1) * G; ++q)
+      for (Index i = 0; i < kWindow; ++i) {
+        float* row = a.data() + (q * kWindow + i) * L;
+        double sum = 0;
+        for (Index j = 0; j < L; ++j) {
+          row[j] =
+              j > P + i ? 0.f : std::pow(static_cast<float>(rank[static_cast<std::size_t>(j)] + 1), -1.5f) * u(rng);
+          sum += row[j];
+        }
+        for (Index j = 0; j < L; ++j) row[j] = static_cast<float>(row[j] / sum);
+      }
+  }
+  return a;
+}
+
 template <class T, class Policy>
-void run_policy(benchmark::State& state, const Model& m, const Policy& policy, bool precomputed_gram) {
+void run_policy(benchmark::State& state, const Model& m, const Policy& policy, bool precomputed_gram,
+                bool peaked = false) {
   const Index L = state.range(0);
   const double keep = static_cast<double>(state.range(1)) / 100.0;
   const auto budget = kvevict::Budget::keep_ratio(keep);
   Layer<T> layer(m, L);
+  std::vector<float> attention;
+  if constexpr (std::is_same_v<T, float>) {
+    if (peaked) {
+      attention = peaked_attention(m, L);
+      layer.in.queries = {};
+      layer.in.attention = kvevict::HeadsView<const float>::heads_major(attention.data(), m.H, kWindow, L);
+    }
+  }
   // The engine's per-layer W_o^T W_o, made once at model load (LayerInputs::w_o_gram), outside the timing.
   const auto gram = kvevict::OutputGram<kvevict::gram_scalar_t<activation_t<T>>>::compute(layer.in.w_o);
   if (precomputed_gram) layer.in.w_o_gram = &gram;
@@ -97,6 +136,26 @@ void run_policy(benchmark::State& state, const Model& m, const Policy& policy, b
   const auto level = heap::mark();
   const kvevict::Selection sel = select_once();
   state.counters["extra_MiB"] = static_cast<double>(heap::peak_since(level)) / 1048576.0;
+  // The pruned L1 value term (CriticalSelector, value_norm l1, prune): the fraction of the scored entries whose term
+  // was computed, and the unpruned path in this run: its time / time (x_unpruned) and whether it keeps the same
+  // (same_as_unpruned, 1 or 0).
+  if constexpr (std::is_base_of_v<kvevict::CriticalSelector::Params, typename Policy::Params>) {
+    auto p = policy.params();
+    if (p.value_norm == kvevict::ValueNorm::l1 && p.prune) {
+      kvevict::extend::ValueTermCounter counter;
+      p.counter = &counter;
+      (void)select_one(Policy(p), layer.in, budget);
+      if (counter.scored > 0) {
+        state.counters["computed"] = counter.fraction();
+        p.counter = nullptr;
+        p.prune = false;
+        const Policy unpruned(p);
+        kvevict::Selection full;
+        state.counters["x_unpruned"] = seconds([&] { full = select_one(unpruned, layer.in, budget); }) / per_iter;
+        state.counters["same_as_unpruned"] = full.indices() == sel.indices() && full.offsets() == sel.offsets();
+      }
+    }
+  }
   // Policies without a naive implementation (naive::has_select), and quantized caches, skip x_naive, agree and
   // naive_MiB.
   if constexpr (!kvevict::is_quantized_v<T> && naive::has_select_v<Policy, decltype(layer.in)>) {
@@ -110,7 +169,7 @@ void run_policy(benchmark::State& state, const Model& m, const Policy& policy, b
       state.counters["agree"] = naive::agreement(kept, sel);
     }
   }
-  state.SetLabel(std::string(m.name) + " " + storage_name<T>());
+  state.SetLabel(std::string(m.name) + " " + storage_name<T>() + (peaked ? " peaked attention" : ""));
 }
 
 /// The scaling target, time at 64k / time at 16k <= 4.5: the best of the iterations at each context,
@@ -234,11 +293,11 @@ void policy_args(benchmark::internal::Benchmark* b, Index max_L) {
 /// BM_<row>/<storage>/<model>: `policy` on storage T.
 template <class T, class Policy>
 void register_policy(const std::string& row, const Model& m, const Policy& policy, Index max_L,
-                     bool precomputed_gram = false) {
+                     bool precomputed_gram = false, bool peaked = false) {
   const std::string name = "BM_" + row + "/" + storage_name<T>() + "/" + m.name;
   policy_args(benchmark::RegisterBenchmark(name.c_str(),
-                                           [m, policy, precomputed_gram](benchmark::State& s) {
-                                             run_policy<T>(s, m, policy, precomputed_gram);
+                                           [m, policy, precomputed_gram, peaked](benchmark::State& s) {
+                                             run_policy<T>(s, m, policy, precomputed_gram, peaked);
                                            }),
               max_L);
 }
@@ -269,6 +328,10 @@ void register_all() {
       register_policy<float>(name + "-l2", mm, entry.make(l2), 65536);
       register_policy<float>(name + "-l2-gram", mm, entry.make(l2), 65536, /*precomputed_gram=*/true);
       register_policy<float>(name + "-l1", mm, entry.make(l1), 32768);
+      // The pruned L1 term on window attention like real heads' (peaked_attention; CriticalSelector policies).
+      if constexpr (std::is_base_of_v<kvevict::CriticalSelector::Params,
+                                      typename std::decay_t<decltype(entry.make())>::Params>)
+        register_policy<float>(name + "-l1-peaked", mm, entry.make(l1), 32768, false, /*peaked=*/true);
     });
     // Other storage types: the attention-only paths (snapkv, adakv) and a value-aware one (defensivekv-l2).
     for (std::string_view row : {"snapkv", "adakv"})

@@ -78,6 +78,25 @@ struct is_selector<
                          typename T::template Layer<float>>> {};
 
 /// A model-level preset (LayerGlobalPolicy<S> or a class derived from one, such as LayerDefensiveKV).
+/// A Selector that can rank by upper bounds and refine them (CriticalSelector's pruned L1 term):
+///   template <class S, class In> Layer<S> score_bounded(in, shape, common, budget, where) const;
+///   template <class S, class In> bool refine(Layer<S>& layer, const Layer<S>& selected, budgets, keep, in, shape)
+///       const;
+/// Policy::select() then loops allocate + select on a copy of the layer until refine() returns false.
+template <class T, class = void>
+struct refines_bounds : std::false_type {};
+template <class T>
+struct refines_bounds<
+    T, std::void_t<decltype(std::declval<const T&>().template score_bounded<float>(
+                       std::declval<const LayerInputs<float>&>(), std::declval<const extend::LayerShape&>(),
+                       std::declval<const CommonParams&>(), std::declval<const extend::LayerBudget&>(), "")),
+                   decltype(static_cast<bool>(std::declval<const T&>().refine(
+                       std::declval<typename T::template Layer<float>&>(),
+                       std::declval<const typename T::template Layer<float>&>(),
+                       std::declval<const std::vector<Index>&>(), std::declval<const extend::KeepFlags&>(),
+                       std::declval<const LayerInputs<float>&>(), std::declval<const extend::LayerShape&>())))>>
+    : std::true_type {};
+
 template <class T, class = void>
 struct is_layer_global : std::false_type {};
 template <class T>

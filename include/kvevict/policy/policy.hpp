@@ -146,18 +146,42 @@ class Policy {
   Selection select_one(const LayerInputs<KV, Q, W>& in, const Budget& budget, const std::string& where) const {
     detail::require(params_.share != Sharing::per_model, where.c_str(),
                     "share = per_model selects every layer at once: use select(layers, budget) or plan()");
+    if constexpr (detail::refines_bounds<SelectorType>::value) {
+      if (params_.per_head_tokens()) return select_refined<S>(in, budget, where);
+    }
     Scored<S> scored = score_layer<S>(in, budget, where);
     return select_scored(scored);
   }
 
+  /// select_scored's per-head path over a layer scored with upper bounds (the selector's score_bounded): allocate
+  /// and select on a copy, let the selector compute what that selection kept at a bound, again until it kept none.
   template <class S, class KV, class Q, class W>
-  Scored<S> score_layer(const LayerInputs<KV, Q, W>& in, const Budget& budget, const std::string& where) const {
+  Selection select_refined(const LayerInputs<KV, Q, W>& in, const Budget& budget, const std::string& where) const {
+    Scored<S> s = score_layer<S>(in, budget, where, true);
+    extend::KeepFlags keep;
+    for (;;) {
+      typename SelectorType::template Layer<S> trial = s.layer;  // the allocation may promote entries of its map
+      const std::vector<Index> budgets = allocation_.allocate(trial.allocation, s.budget);
+      selector_.select(trial, budgets, keep);
+      if (!selector_.refine(s.layer, trial, budgets, keep, in, s.shape)) return Selection::from_flags(keep, s.shape);
+    }
+  }
+
+  template <class S, class KV, class Q, class W>
+  Scored<S> score_layer(const LayerInputs<KV, Q, W>& in, const Budget& budget, const std::string& where,
+                        bool bounded = false) const {
     const extend::LayerShape shape = detail::validate_inputs(in, params_.window, where.c_str());
     detail::require_dense_for_quirks(shape, params_.reference_quirks, where.c_str());
     extend::LayerBudget layer = extend::layer_budget(shape, budget, where.c_str());
     selector_.adjust_budget(layer, shape, params_, where.c_str());
-    auto scored =
-        selector_.template score<S>(in, shape, static_cast<const CommonParams&>(params_), layer, where.c_str());
+    const auto& common = static_cast<const CommonParams&>(params_);
+    (void)bounded;  // only selectors with score_bounded read it
+    auto scored = [&] {
+      if constexpr (detail::refines_bounds<SelectorType>::value) {
+        if (bounded) return selector_.template score_bounded<S>(in, shape, common, layer, where.c_str());
+      }
+      return selector_.template score<S>(in, shape, common, layer, where.c_str());
+    }();
     detail::require_layout(scored.allocation, shape, where.c_str());
     return {std::move(scored), shape, layer, where};
   }

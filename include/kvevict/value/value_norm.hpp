@@ -30,17 +30,34 @@ decltype(auto) block_in(const Block& rows, const RowScale& scale, RowMatrix<S>& 
   }
 }
 
+/// Rows per product of the L1 term (value_norms; value_bound.hpp computes chosen rows at the same slots).
+constexpr Index kL1Block = 128;
+
+/// proj = rows [n, d] x w^T [d, D] with Eigen's matrix-product kernel whatever n: a single row is computed as the
+/// first of two (the second zero), since Eigen would take its matrix-vector path for it, which rounds otherwise.
+/// Then a row's result depends only on its values, n and its slot in the block (value_bound.hpp relies on it).
+/// With n = 1, proj has 2 rows: read row 0.
+template <class S, class Rows, class WMat>
+void project_block(const Rows& rows, const WMat& w, RowMatrix<S>& proj, RowMatrix<S>& pad) {
+  if (rows.rows() == 1) {
+    pad.setZero(2, rows.cols());
+    pad.row(0) = rows.row(0);
+    proj.noalias() = pad * w.transpose();
+  } else {
+    proj.noalias() = rows * w.transpose();
+  }
+}
+
 /// Adds || V_h[j] (W^q)^T ||_1 to out[j] for the L rows of one KV head (v in its storage type, row j scaled by
-/// scale(j) when quantized), in blocks of rows so that the [L, D] projection is never materialised (extra memory
-/// O(block * D): `proj`, reused).
+/// scale(j) when quantized), in blocks of kL1Block rows so that the [L, D] projection is never materialised (extra
+/// memory O(block * D): `proj`, reused).
 template <class S, class VMat, class WMat>
 void accumulate_l1_norms(const VMat& v, const WMat& w, S* out, RowMatrix<S>& proj, RowMatrix<S>& buffer,
-                         const RowScale& scale = {}) {
-  constexpr Index block = 128;
+                         RowMatrix<S>& pad, const RowScale& scale = {}) {
   const Index L = v.rows();
-  for (Index j0 = 0; j0 < L; j0 += block) {
-    const Index n = std::min(block, L - j0);
-    proj.noalias() = block_in<S>(v.middleRows(j0, n), scale.from(j0), buffer) * w.transpose();  // [n, D]
+  for (Index j0 = 0; j0 < L; j0 += kL1Block) {
+    const Index n = std::min(kL1Block, L - j0);
+    project_block<S>(block_in<S>(v.middleRows(j0, n), scale.from(j0), buffer), w, proj, pad);  // [n, D]
     for (Index r = 0; r < n; ++r) out[j0 + r] += proj.row(r).cwiseAbs().sum();
   }
 }
@@ -63,8 +80,9 @@ RowMatrix<S> value_norms(const KVView<const KV>& values, const HeadsView<const W
   RowMatrix<S> n = RowMatrix<S>::Zero(Hkv, longest);
   KVEVICT_ASSERT(norm == ValueNorm::l1 || gram != nullptr);
   struct Scratch {
-    RowMatrix<S> v, w, grams, projected;  // a block of values in S (when stored otherwise) [block, d]; L1: W_o^q
-                                          // [D, d] (unless stored in S), [block, D]; L2: [d, G d], [block, G d]
+    RowMatrix<S> v, w, grams, projected, pad;  // a block of values in S (when stored otherwise) [block, d]; L1:
+                                               // W_o^q [D, d] (unless stored in S), [block, D]; L2: [d, G d],
+                                               // [block, G d]; a padded single row [2, d]
   };
   // KV heads in parallel with KVEVICT_OPENMP; each writes row h of n only.
   detail::parallel_for_with<Scratch>(Hkv, [&](Index h, Scratch& scratch) {
@@ -75,10 +93,11 @@ RowMatrix<S> value_norms(const KVView<const KV>& values, const HeadsView<const W
       for (Index g = 0; g < group; ++g) {
         if constexpr (std::is_same_v<std::remove_const_t<W>, S>) {
           detail::accumulate_l1_norms<S>(v, w_o.head(h * group + g), n.row(h).data(), scratch.projected, scratch.v,
-                                         scale);
+                                         scratch.pad, scale);
         } else {
           scratch.w = w_o.head(h * group + g).template cast<S>();
-          detail::accumulate_l1_norms<S>(v, scratch.w, n.row(h).data(), scratch.projected, scratch.v, scale);
+          detail::accumulate_l1_norms<S>(v, scratch.w, n.row(h).data(), scratch.projected, scratch.v, scratch.pad,
+                                         scale);
         }
       }
       return;
