@@ -34,7 +34,7 @@ TEST_CASE("budget kinds and values are reported as given", "[budget]") {
   CHECK(Budget::compression_ratio(0.5).value() == 0.5);
 }
 
-TEST_CASE("budget edges: keep ratio 1 and compression ratio 0 keep everything; tokens resolve to themselves",
+TEST_CASE("budget edges: keep ratio 1 and compression ratio 0 keep everything, tokens resolve to themselves",
           "[budget]") {
   for (kvevict::Index L : {1, 2, 33, 1000, 4097}) {
     CHECK(Budget::keep_ratio(1.0).n_kept(L) == L);
@@ -82,7 +82,7 @@ TEST_CASE("well-known truncation cases of the ratio forms", "[budget]") {
   CHECK(Budget::keep_ratio(0.999).n_kept(3) == 2);
 }
 
-TEST_CASE("n_kept out of [1, L] is an error for all three budget forms", "[budget][errors]") {
+TEST_CASE("n_kept outside 1 .. L is an error for all three budget forms", "[budget][errors]") {
   // A token count below 1 is refused when the budget is made, as a ratio out of range is.
   REQUIRE_THROWS_MATCHES(Budget::tokens(0), kvevict::invalid_argument,
                          MessageContains("kvevict::Budget: tokens must be >= 1, got 0"));
@@ -101,7 +101,7 @@ TEST_CASE("n_kept out of [1, L] is an error for all three budget forms", "[budge
                          MessageContains("kvevict::select: n_kept"));
 }
 
-TEST_CASE("keep ratio must be in (0, 1]", "[budget][errors]") {
+TEST_CASE("keep ratio must be above 0 and at most 1", "[budget][errors]") {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const double inf = std::numeric_limits<double>::infinity();
   REQUIRE_THROWS_MATCHES(Budget::keep_ratio(0.0), kvevict::invalid_argument,
@@ -118,7 +118,7 @@ TEST_CASE("keep ratio must be in (0, 1]", "[budget][errors]") {
   CHECK_NOTHROW(Budget::keep_ratio(std::numeric_limits<double>::denorm_min()));
 }
 
-TEST_CASE("compression ratio must be in [0, 1)", "[budget][errors]") {
+TEST_CASE("compression ratio must be at least 0 and below 1", "[budget][errors]") {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   REQUIRE_THROWS_MATCHES(Budget::compression_ratio(-0.1), kvevict::invalid_argument,
                          MessageContains("compression ratio must be in [0, 1), got -0.1"));

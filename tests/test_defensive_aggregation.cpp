@@ -91,7 +91,7 @@ std::vector<double> defensive_of(const kvevict::LayerInputs<T>& in, Index window
 
 }  // namespace
 
-TEST_CASE("defensive aggregation on a hand-worked 2-KV-head, 12-token layer (kernels 1, 3, 5; floor on and off)",
+TEST_CASE("defensive aggregation on a hand-worked 2-KV-head, 12-token layer (kernels 1, 3, 5, floor on and off)",
           "[defensive_aggregation]") {
   const std::vector<double> attn = hand_attention();
   struct Case {
@@ -195,7 +195,7 @@ TEST_CASE("defensive aggregation matches the float64 reference on random layers"
 }
 
 TEST_CASE(
-    "defensive aggregation: floor = max(no floor, head mean); group = max of its query heads; rows keep their "
+    "defensive aggregation: floor = max(no floor, head mean), group = max of its query heads, rows keep their "
     "prefix mass",
     "[defensive_aggregation]") {
   Rng rng(502);

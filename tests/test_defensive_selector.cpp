@@ -623,7 +623,7 @@ TEST_CASE("value-aware selectors: missing or mismatched values / W_o and NaN val
 }
 
 TEST_CASE(
-    "Single-layer DefensiveKV keeps forced and window tokens first in the corrected mode; under quirks a more "
+    "Single-layer DefensiveKV keeps forced and window tokens first in the corrected mode, and under quirks a more "
     "recent token tied at the layer maximum displaces a forced one",
     "[defensive_selector][ruling]") {
   // One KV head, two query heads (G = 2), L = 10, w = 1 (P = 9, window = token 9), kernel 1 (no smoothing).

@@ -210,7 +210,7 @@ TEST_CASE("mass forcing: a KV head with no prefix mass forces nothing (unless a 
   CHECK(kvevict_ref::mass_forced(attn, 2, 2, 1, 4, 1.5, 4, true, 1.0) == Forced{{1, 2}, {0, 1}});
 }
 
-TEST_CASE("mass forcing matches the reference on random layers (both modes; near-ties of c vs tau skipped)",
+TEST_CASE("mass forcing matches the reference on random layers (both modes, near-ties of c vs tau skipped)",
           "[mass_forcing]") {
   Rng rng(601);
   int cases = 0, skipped = 0;

@@ -413,8 +413,8 @@ TEMPLATE_TEST_CASE("rerotate: by delta then by -delta returns the keys", "[rope]
   CHECK(worst <= 1.0);
 }
 
-TEMPLATE_TEST_CASE("rerotate: lengths rotate rows [0, lengths[h]) and leave the rest untouched", "[rope]", float,
-                   Eigen::half) {
+TEMPLATE_TEST_CASE("rerotate: lengths rotate each head's first lengths(h) rows and leave the rest untouched", "[rope]",
+                   float, Eigen::half) {
   using T = TestType;
   Rng rng(5);
   const Index heads = 3, rows = 9, d = 16;

@@ -74,7 +74,7 @@ const std::vector<double> kL2 = {
 
 }  // namespace
 
-TEST_CASE("output_projection views W_o [D, H * d] per query head without copying", "[value_norm]") {
+TEST_CASE("output_projection views W_o (D x H * d) per query head without copying", "[value_norm]") {
   const auto w = kvevict::output_projection<const double>(kWo.data(), 2, 4, 2);
   CHECK(w.heads() == 4);
   CHECK(w.rows() == 2);

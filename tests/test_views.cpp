@@ -50,7 +50,7 @@ TEST_CASE("heads_major view: extents, strides, rows and head maps address the ca
   }
 }
 
-TEST_CASE("rows_major view ([rows, heads, cols], llama.cpp / vLLM) addresses the transposed storage", "[views]") {
+TEST_CASE("rows_major view (rows x heads x cols, llama.cpp / vLLM) addresses the transposed storage", "[views]") {
   const Index H = 3, R = 5, C = 4;
   std::vector<double> buf = iota_vector(sz(H * R * C));  // [R, H, C]
   const auto v = HeadsView<const double>::rows_major(buf.data(), R, H, C);
