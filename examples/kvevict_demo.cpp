@@ -79,7 +79,8 @@ PolicyEntry entry(const std::string& name, const std::string& base, const kvevic
   const bool found = kvevict::catalogue::visit(base, [&](const auto& e) {
     out.scope = e.scope;
     out.compress = [e, knobs](const Engine& engine, const kvevict::Budget& budget) {
-      return kvevict::select_layers(e.make(with_layout(knobs)), engine.eviction_inputs(), budget);
+      const auto policy = e.make(with_layout(knobs));
+      return kvevict::select_layers(policy, engine.eviction_inputs_for(policy), budget);
     };
     out.stream = [e, knobs](Engine& engine, Index n, double* select_ms) {
       tinycode::EvictionStats stats;

@@ -70,7 +70,7 @@ TEST_CASE("catalogue: every entry is named once and makes its preset with the pr
   CHECK_FALSE(kvevict::catalogue::visit("nosuch", [](const auto&) {}));
   CHECK(kvevict::catalogue::names(kvevict::catalogue::entries())
             .rfind("streamingllm, snapkv, adakv, criticalkv, criticalkv-snapkv, defensivekv, layer-defensivekv, "
-                   "adakv-defensive",
+                   "adakv-defensive, tova, knorm, keydiff",
                    0) == 0);
 }
 

@@ -58,6 +58,8 @@ TEMPLATE_TEST_CASE(
     same_as_float_storage<kvevict::AdaKV, T>("adakv", l, n_kept, layout);
     same_as_float_storage<kvevict::CriticalKV, T>("criticalkv", l, n_kept, layout);
     same_as_float_storage<kvevict::DefensiveKV, T>("defensivekv", l, n_kept, layout);
+    same_as_float_storage<kvevict::KNorm, T>("knorm", l, n_kept, layout);
+    same_as_float_storage<kvevict::KeyDiff, T>("keydiff", l, n_kept, layout);
   }
 }
 

@@ -201,6 +201,15 @@ TEST_CASE("layout reference: every policy x sharing x block x reduce, random lay
             check("layer_defensivekv", lref::Method::layer_defensivekv,
                   kvevict::select_layers<double>(make<kvevict::LayerDefensiveKV>({}, w, layout), inputs, budget),
                   lref::preset(lref::Method::layer_defensivekv));
+            check("tova", lref::Method::tova,
+                  kvevict::select_layers<double>(make<kvevict::TOVA>({}, w, layout), inputs, budget),
+                  lref::preset(lref::Method::tova));
+            check("knorm", lref::Method::knorm,
+                  kvevict::select_layers<double>(make<kvevict::KNorm>({}, w, layout), inputs, budget),
+                  lref::preset(lref::Method::knorm));
+            check("keydiff", lref::Method::keydiff,
+                  kvevict::select_layers<double>(make<kvevict::KeyDiff>({}, w, layout), inputs, budget),
+                  lref::preset(lref::Method::keydiff));
             kvevict::StreamingLLM::Params sp;
             static_cast<kvevict::LayoutParams&>(sp) = layout;
             sp.sinks = 1 + trial % 5;

@@ -251,6 +251,9 @@ TEMPLATE_TEST_CASE("properties: every policy on edge shapes and adversarial valu
   check_policy<T, kvevict::CriticalSnapKV>("criticalkv-snapkv", Contract::per_head, true, kCases, 104);
   check_policy<T, kvevict::DefensiveKV>("defensivekv", Contract::per_layer, true, kCases, 105);
   check_policy<T, kvevict::AdaKVDefensive>("adakv-defensive", Contract::per_layer, true, kCases, 106);
+  check_policy<T, kvevict::TOVA>("tova", Contract::per_head, true, kCases, 109);
+  check_policy<T, kvevict::KNorm>("knorm", Contract::per_head, true, kCases, 110);
+  check_policy<T, kvevict::KeyDiff>("keydiff", Contract::per_head, true, kCases, 111);
   check_layer_global<T>(kCases, 107);
 }
 

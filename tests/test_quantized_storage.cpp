@@ -187,14 +187,16 @@ void check_policy(const char* name, const Policy& policy, const QuantizedLayer<T
   CHECK(a.offsets() == b.offsets());
 }
 
-/// The readers of the cache are the window attention (every scored policy) and the value term (L1 and L2, weighted
-/// as CriticalKV does or normalised across heads as DefensiveKV does); these policies cover each of them, and
-/// allocations and layer-global ranking read only scores.
+/// The readers of the cache are the window attention (every scored policy), the key-only scores and the value term
+/// (L1 and L2, weighted as CriticalKV does or normalised across heads as DefensiveKV does); these policies cover each
+/// of them, and allocations and layer-global ranking read only scores.
 template <class S, class T>
 void same_as_dequantized(const QuantizedLayer<T>& l, std::int64_t n_kept, const std::string& what) {
   using kvevict::ValueNorm;
   check_policy<S>("snapkv", make_policy<kvevict::SnapKV>(l.w), l, n_kept, what);
   check_policy<S>("defensivekv-l1", make_policy<kvevict::DefensiveKV>(l.w, ValueNorm::l1), l, n_kept, what);
+  check_policy<S>("knorm", make_policy<kvevict::KNorm>(l.w), l, n_kept, what);  // the key-only reader (2.8)
+  check_policy<S>("keydiff", make_policy<kvevict::KeyDiff>(l.w), l, n_kept, what);
   if constexpr (std::is_same_v<S, float>) {
     check_policy<S>("adakv", make_policy<kvevict::AdaKV>(l.w), l, n_kept, what);
     check_policy<S>("criticalkv-l1", make_policy<kvevict::CriticalKV>(l.w, ValueNorm::l1), l, n_kept, what);

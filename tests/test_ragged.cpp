@@ -39,9 +39,12 @@ bool same(const Selection& a, const Selection& b) {
   return a.indices() == b.indices() && a.offsets() == b.offsets() && a.positions() == b.positions();
 }
 
+/// Window w, per-head selections: TOVA shares one set per layer by default, which needs every KV head at the same
+/// positions (docs/algorithms.md section 8); these layers hold each head's own.
 kvevict::Knobs window_knob(int w) {
   kvevict::Knobs k;
   k.window = w;
+  k.share = kvevict::Sharing::per_head;
   return k;
 }
 

@@ -80,6 +80,9 @@ TEST_CASE("thread safety: one policy object shared by threads gives the single-t
   check_shared<kvevict::CriticalSnapKV>("criticalkv-snapkv", stored.in, s.w);
   check_shared<kvevict::DefensiveKV>("defensivekv", stored.in, s.w);
   check_shared<kvevict::AdaKVDefensive>("adakv-defensive", stored.in, s.w);
+  check_shared<kvevict::TOVA>("tova", stored.in, s.w);
+  check_shared<kvevict::KNorm>("knorm", stored.in, s.w);
+  check_shared<kvevict::KeyDiff>("keydiff", stored.in, s.w);
   check_shared<kvevict::StreamingLLM>("streamingllm", stored.in, s.w);
 
   // Layer-DefensiveKV: the shared policy, a plan per call (plans are per call by design).

@@ -31,12 +31,13 @@ struct Options {
   std::string precision = "f32";
   bool reads_observation = true;  // what the policy reads (LayerInputs::queries or attention; values and w_o)
   bool reads_values = false;
+  kvevict::LayoutParams layout;  // the policy's layout: the options given over the preset's (TOVA: per_layer, mean)
 
   /// B of --block (1 unless given): > 1 selects whole blocks, and the output lists their ids (kept_blocks).
-  Index block() const { return knobs.block.value_or(1); }
+  Index block() const { return layout.block; }
 
   std::map<std::string, std::string> metadata() const {
-    const kvevict::Sharing share = knobs.share.value_or(kvevict::Sharing::per_head);
+    const kvevict::Sharing share = layout.share;
     return {{"policy", policy},
             {"base", base},
             {"selector", selector},
@@ -46,7 +47,7 @@ struct Options {
             {"share", share == kvevict::Sharing::per_head    ? "head"
                       : share == kvevict::Sharing::per_layer ? "layer"
                                                              : "model"},
-            {"reduce", knobs.reduce.value_or(kvevict::Reduce::max) == kvevict::Reduce::max ? "max" : "mean"},
+            {"reduce", layout.reduce == kvevict::Reduce::max ? "max" : "mean"},
             {"block", std::to_string(block())}};
   }
 };
@@ -100,8 +101,9 @@ inline std::string usage_text() {
          "  --value-norm l1|l2        value term norm (default l1; l2 uses the W_o Gram matrix, O(L d^2))\n"
          "  --mass-threshold T        DefensiveKV cumulative mass threshold (default 0.9)\n"
          "  --no-floor                DefensiveKV without the adaptive prior floor (ablation)\n"
-         "input per layer i: layers.{i}.q_window [H,w,d] or layers.{i}.window_attention [H,w,L], layers.{i}.keys\n"
-         "[Hkv,L,d], layers.{i}.values [Hkv,L,d], layers.{i}.w_o [D,H*d] (value-aware selectors); F64/F32/F16/BF16.\n"
+         "input per layer i: layers.{i}.q_window [H,w,d] or layers.{i}.window_attention [H,w,L] (not for the\n"
+         "key-only knorm, keydiff and streamingllm), layers.{i}.keys [Hkv,L,d], layers.{i}.values [Hkv,L,d],\n"
+         "layers.{i}.w_o [D,H*d] (value-aware selectors); F64/F32/F16/BF16.\n"
          "quantized caches: keys and values in I8/F8_E4M3/F8_E5M2, optional F32 layers.{i}.keys_scale and\n"
          "layers.{i}.values_scale of shape [] (one factor), [L] (per token) or [Hkv,L] (per KV head and token).\n"
          "ragged layers (optional, I64/I32): layers.{i}.lengths [Hkv] (head h holds rows 0..lengths[h]-1 of keys and\n"
@@ -294,6 +296,7 @@ class OptionSet {
       const auto made = entry.make(o.knobs);
       o.reads_observation = made.reads_observation();
       o.reads_values = made.reads_values();
+      o.layout = static_cast<const kvevict::LayoutParams&>(made.params());
     });
     return o;
   }
@@ -368,12 +371,12 @@ inline std::optional<Options> parse_options(int argc, char** argv) {
 }
 
 /// The runs of the policy the options name over every layer (layer-global policies see them all at once), with
-/// the window the data gives unless --window was given.
+/// the window the data gives unless --window was given (a policy that reads no observation: its own default).
 template <class S, class KV, class Q, class W>
 std::vector<kvevict::Selection> run_policy(const Options& o, const std::vector<kvevict::LayerInputs<KV, Q, W>>& layers,
-                                           Index window) {
+                                           std::optional<Index> window) {
   kvevict::Knobs knobs = o.knobs;
-  knobs.window = window;
+  if (window) knobs.window = window;  // none: the policy reads no observation and no --window was given
   std::vector<kvevict::Selection> out;
   visit_policy(o, [&](const auto& entry) { out = kvevict::select_layers<S>(entry.make(knobs), layers, *o.budget); });
   return out;

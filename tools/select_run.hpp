@@ -239,7 +239,7 @@ std::vector<kvevict::Selection> select_layers(const Options& opt, const st::file
     layers.push_back(load_layer<S>(opt, in, i, window));
     inputs.push_back(layers.back().inputs);
   }
-  return run_policy<S>(opt, inputs, window.value_or(1));
+  return run_policy<S>(opt, inputs, window);
 }
 
 /// select_layers() at the options' precision.

@@ -30,6 +30,8 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <kvevict/kvevict.hpp>
@@ -119,31 +121,45 @@ class Engine {
   /// One decoding step: logits [vocab] of the token after `token`.
   RowVector decode(Token token) { return extend(&token, 1); }
 
-  /// What a kvevict policy reads for `layer`: queries [H, w, d] (post-RoPE queries of the last w positions), keys /
-  /// values [Hkv, capacity, d] viewing this engine's cache (no copy) with each head's length and positions, and
-  /// W_o (model().layers[layer].wo, [d_model, H * d] in PyTorch Linear layout, for value-aware selectors). Valid
-  /// until the next extend() or evict(). Needs at least w positions run.
-  kvevict::LayerInputs<float> eviction_inputs(Index layer) const {
+  /// What a kvevict policy reads for `layer`: queries [H, w, d] (post-RoPE queries of the last w <= window()
+  /// positions; w = window() by default), keys / values [Hkv, capacity, d] viewing this engine's cache (no copy)
+  /// with each head's length and positions, and W_o (model().layers[layer].wo, [d_model, H * d] in PyTorch Linear
+  /// layout, for value-aware selectors). Valid until the next extend() or evict(). Needs window() positions run.
+  kvevict::LayerInputs<float> eviction_inputs(Index layer, Index w = 0) const {
     const Config& c = model_->config;
+    if (w == 0) w = window_;
     if (layer < 0 || layer >= c.n_layer)
       throw std::out_of_range("Engine::eviction_inputs: layer " + std::to_string(layer) + " out of range");
+    if (w < 1 || w > window_)
+      throw std::invalid_argument("Engine::eviction_inputs: the policy's window " + std::to_string(w) +
+                                  " must be in [1, " + std::to_string(window_) + "] (the engine's window)");
     if (window_filled_ < window_)
       throw std::logic_error("Engine::eviction_inputs: fewer than window = " + std::to_string(window_) +
                              " positions have been run");
     kvevict::LayerInputs<float> in;
-    in.queries = kvevict::HeadsView<const float>::heads_major(window_queries_[static_cast<std::size_t>(layer)].data(),
-                                                              c.n_head, window_, c.head_dim);
+    const float* rows = window_queries_[static_cast<std::size_t>(layer)].data() + (window_ - w) * c.head_dim;
+    in.queries = kvevict::HeadsView<const float>(rows, c.n_head, w, c.head_dim, window_ * c.head_dim, c.head_dim);
     in.keys = cache_.key_view(layer);
     in.values = cache_.value_view(layer);
     const Matrix& wo = model_->layers[static_cast<std::size_t>(layer)].wo;  // W_o [d_model, n_head * head_dim]
     in.w_o = kvevict::output_projection<const float>(wo.data(), c.d_model, c.n_head, c.head_dim);
     return cache_.book().layer(layer).describe(in);
   }
-  /// eviction_inputs() of every layer, for policies that plan over the whole model before evicting.
-  std::vector<kvevict::LayerInputs<float>> eviction_inputs() const {
-    std::vector<kvevict::LayerInputs<float>> all;
-    for (Index l = 0; l < model_->config.n_layer; ++l) all.push_back(eviction_inputs(l));
-    return all;
+  /// eviction_inputs(l) of every layer l, for policies that plan over the whole model before evicting.
+  std::vector<kvevict::LayerInputs<float>> eviction_inputs() const { return model_inputs(window_); }
+  /// The same with the window `policy` observes (window_of(policy) query rows).
+  template <class Policy>
+  std::vector<kvevict::LayerInputs<float>> eviction_inputs_for(const Policy& policy) const {
+    return model_inputs(window_of(policy));
+  }
+  /// The window `policy` observes: its params().window (a scored policy's; TOVA's is 1), or the engine's for a
+  /// policy without one (StreamingLLM).
+  template <class Policy>
+  Index window_of(const Policy& policy) const {
+    if constexpr (has_window<Policy>::value)
+      return policy.params().window;
+    else
+      return window_;
   }
 
   /// Keeps only the entries `selection` chose in `layer`'s cache (per KV head). With renumber_positions(true) the
@@ -176,7 +192,7 @@ class Engine {
     EvictionStats stats;
     for (Index l = 0; l < model_->config.n_layer; ++l) {
       const auto t0 = clock::now();
-      const kvevict::Selection selection = policy.select(eviction_inputs(l), budget);
+      const kvevict::Selection selection = policy.select(eviction_inputs(l, window_of(policy)), budget);
       const auto t1 = clock::now();
       evict(l, selection);
       const auto t2 = clock::now();
@@ -196,7 +212,7 @@ class Engine {
     using clock = std::chrono::steady_clock;
     const auto t0 = clock::now();
     const Index evicted = kvevict::evict_over_budget(
-        policy, cache_.book(), n, [&](Index l) { return eviction_inputs(l); },
+        policy, cache_.book(), n, [&](Index l) { return eviction_inputs(l, window_of(policy)); },
         [&](Index l, const kvevict::Selection& s) { evict(l, s); });
     if (stats) stats->select_ms += std::chrono::duration<double, std::milli>(clock::now() - t0).count();
     return evicted;
@@ -211,6 +227,16 @@ class Engine {
   }
 
  private:
+  std::vector<kvevict::LayerInputs<float>> model_inputs(Index w) const {
+    std::vector<kvevict::LayerInputs<float>> all;
+    for (Index l = 0; l < model_->config.n_layer; ++l) all.push_back(eviction_inputs(l, w));
+    return all;
+  }
+  template <class P, class = void>
+  struct has_window : std::false_type {};
+  template <class P>
+  struct has_window<P, std::void_t<decltype(std::declval<const P&>().params().window)>> : std::true_type {};
+
   /// Query rows per attention block: bounds the score buffer to [block, L] and skips most of the causal triangle.
   static constexpr Index attention_block = 128;
 

@@ -137,7 +137,7 @@ OPTS_RAGGED = dict(seed=12, Hkv=2, G=2, Ls=[40, 36], d=8, w=4, ragged=True)
 
 POLICIES = list(kvevict.policies())
 BASES = ["snapkv", "adakv", "defensivekv", "layer"]
-SELECTORS = ["attention", "critical", "defensive"]
+SELECTORS = ["attention", "critical", "defensive", "knorm", "keydiff"]
 COMPOSED = [(b, s) for b in BASES for s in SELECTORS]
 ALL_POLICIES = POLICIES + COMPOSED
 
@@ -151,9 +151,27 @@ def policy_kwargs(p):
     return (p, {}) if isinstance(p, str) else (None, {"base": p[0], "selector": p[1]})
 
 
+def per_head_tova(p, layers, options):
+    """The options the tests run a policy with on `layers`:
+    - TOVA shares one set per layer by default, which needs every KV head at the same positions and refuses
+      reference_quirks: on ragged layers (heads with their own lengths or positions), and with reference_quirks, it
+      runs per head unless the options choose the sharing;
+    - a key-only selector (knorm, keydiff) composed with a base reads no q_window, so the window is not taken from
+      it: the base's default (32) is too long for these layers, so it gets the data's window unless given one."""
+    options = options or {}
+    ragged = any("lengths" in layer or "positions" in layer for layer in layers)
+    if p == "tova" and (ragged or options.get("reference_quirks")) and "share" not in options:
+        return dict(options, share="head")
+    obs = layers[0].get("q_window", layers[0].get("window_attention"))
+    if not isinstance(p, str) and p[1] in ("knorm", "keydiff") and "window" not in options and obs is not None:
+        return dict(options, window=int(obs.shape[1]))
+    return options
+
+
 def select_layers(p, layers, budget, options=None, layout="heads"):
     name, extra = policy_kwargs(p)
-    return kvevict.select_layers(name, layers, layout=layout, **budget, **extra, **(options or {}))
+    options = per_head_tova(p, layers, options)
+    return kvevict.select_layers(name, layers, layout=layout, **budget, **extra, **options)
 
 
 def cli_args(p, budget, options):
@@ -255,6 +273,7 @@ def compare_with_cli(exe, files, tmp_path, key, layers, p, budget, options=None,
     """Runs the tool and the module on the same layers: identical selections, or the same refusal."""
     in_path = files(key, layers)
     out_path = tmp_path / "out.safetensors"
+    options = per_head_tova(p, layers, options)
     proc = run_cli(exe, in_path, out_path, p, budget, options)
     block = (options or {}).get("block", 1)
     if proc.returncode != 0:
@@ -563,7 +582,8 @@ def test_torch_bfloat16(kvevict_select, files, tmp_path):
         want = select_layers(p, rounded, {"keep": 0.5})
         got = select_layers(p, bf16, {"keep": 0.5})
         assert_same_selections(want, got, policy_id(p) + " bf16 vs f32")
-        proc = run_cli(kvevict_select, in_path, tmp_path / "out.safetensors", p, {"keep": 0.5})
+        proc = run_cli(kvevict_select, in_path, tmp_path / "out.safetensors", p, {"keep": 0.5},
+                       per_head_tova(p, layers, None))
         assert proc.returncode == 0, proc.stderr
         assert_same_as_cli(got, st_read(tmp_path / "out.safetensors")[0])
 

@@ -213,7 +213,7 @@ std::vector<Selection> select_typed(const tools::Options& options, const kvevict
     }
     inputs.push_back(h.inputs);
   }
-  return tools::run_policy<S>(options, inputs, window.value_or(1));
+  return tools::run_policy<S>(options, inputs, window);
 }
 
 template <class KV>

@@ -247,7 +247,11 @@ static void test_every_policy(void) {
     if (!p) continue;
     CHECK(strcmp(kvevict_policy_get_name(p), name) == 0);
     reads = kvevict_policy_reads(p);
-    CHECK((reads & KVEVICT_READS_OBSERVATION) == (strcmp(name, "streamingllm") == 0 ? 0 : KVEVICT_READS_OBSERVATION));
+    /* positional (streamingllm) and key-only (knorm, keydiff) policies read no window queries or attention */
+    CHECK((reads & KVEVICT_READS_OBSERVATION) ==
+          (strcmp(name, "streamingllm") == 0 || strcmp(name, "knorm") == 0 || strcmp(name, "keydiff") == 0
+               ? 0
+               : KVEVICT_READS_OBSERVATION));
     CHECK(((reads & KVEVICT_READS_VALUES) != 0) == (strncmp(name, "critical", 8) == 0 || strstr(name, "defensivekv")));
     layers[0] = layer_of(&a);
     layers[1] = layer_of(&b);

@@ -107,6 +107,9 @@ enum class Method {
   adakv_defensive,    // the same code as defensivekv: only the parameters differ (see preset())
   layer_defensivekv,  // defensive scores, layer-global (alpha ignored: no safeguard)
   streamingllm,       // positional map, uniform
+  tova,               // mean scores (kernel 1 by its preset), uniform; the library preset shares per layer by mean
+  knorm,              // key-only: -||k||, uniform
+  keydiff,            // key-only: -cos(k, the head's mean unit key), uniform
 };
 
 // Every method's parameters in one struct. The defaults are AdaKV's / CriticalKV's. The caller passes the
@@ -138,6 +141,9 @@ inline MethodParams preset(Method m) {
       p.alpha = 0.2;
       p.value_term = false;
       p.mass_forcing = false;
+      break;
+    case Method::tova:
+      p.kernel = 1;
       break;
     default:
       break;
@@ -726,6 +732,9 @@ inline Allocation allocation_of(Method m) {
     case Method::snapkv:
     case Method::critical_snapkv:
     case Method::streamingllm:
+    case Method::tova:
+    case Method::knorm:
+    case Method::keydiff:
       return Allocation::uniform;
     case Method::adakv:
     case Method::criticalkv:
@@ -767,9 +776,16 @@ inline Maps method_maps(Method m, const std::vector<ragged::Layer>& layers, cons
     maps.pos.push_back(pos);
     maps.w.push_back(layer.w);
     switch (m) {
+      case Method::knorm:
+        maps.alloc.push_back(token_map(ragged::key_norm_scores(layer), pos, layer.w));
+        break;
+      case Method::keydiff:
+        maps.alloc.push_back(token_map(ragged::key_diff_scores(layer), pos, layer.w));
+        break;
       case Method::snapkv:
       case Method::adakv:
       case Method::adakv_original:
+      case Method::tova:
         maps.alloc.push_back(token_map(
             ragged::mean_scores(ragged::window_attention(layer), layer.Hkv, layer.w, p.kernel, p.pool), pos, layer.w));
         break;

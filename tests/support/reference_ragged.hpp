@@ -289,6 +289,53 @@ inline Ragged mean_scores(const Attn& attn, int Hkv, int w, int kernel, Pool poo
   return s;
 }
 
+// Section 2.8 key-only scores, per head over its own entries. Returns [Hkv][P_h].
+//   K-norm:  score_j = -||k_j||_2.
+//   KeyDiff: a = (1 / L_h) sum over all L_h entries of k_j / ||k_j|| (a zero key adds nothing);
+//            score_j = -(k_j . a) / (||k_j|| ||a||), 0 when either norm is 0.
+inline double key_norm2(const Layer& layer, std::size_t h, std::size_t j) {
+  double s = 0.0;
+  for (int c = 0; c < layer.d; ++c) {
+    const double x = layer.heads[h].keys[j * detail::sz(layer.d) + detail::sz(c)];
+    s += x * x;
+  }
+  return std::sqrt(s);
+}
+inline Ragged key_norm_scores(const Layer& layer) {
+  Ragged s(detail::sz(layer.Hkv));
+  for (std::size_t h = 0; h < s.size(); ++h)
+    for (std::size_t j = 0; j + detail::sz(layer.w) < layer.heads[h].pos.size(); ++j)
+      s[h].push_back(-key_norm2(layer, h, j));
+  return s;
+}
+inline Ragged key_diff_scores(const Layer& layer) {
+  const std::size_t d = detail::sz(layer.d);
+  Ragged s(detail::sz(layer.Hkv));
+  for (std::size_t h = 0; h < s.size(); ++h) {
+    const std::vector<double>& k = layer.heads[h].keys;
+    const std::size_t L = layer.heads[h].pos.size();
+    std::vector<double> a(d, 0.0);
+    for (std::size_t j = 0; j < L; ++j) {
+      const double n = key_norm2(layer, h, j);
+      if (n > 0.0)
+        for (std::size_t c = 0; c < d; ++c) a[c] += k[j * d + c] / n;
+    }
+    double an = 0.0;
+    for (std::size_t c = 0; c < d; ++c) {
+      a[c] /= static_cast<double>(L);
+      an += a[c] * a[c];
+    }
+    an = std::sqrt(an);
+    for (std::size_t j = 0; j + detail::sz(layer.w) < L; ++j) {
+      const double n = key_norm2(layer, h, j);
+      double dot = 0.0;
+      for (std::size_t c = 0; c < d; ++c) dot += k[j * d + c] * a[c];
+      s[h].push_back(n > 0.0 && an > 0.0 ? -dot / (n * an) : 0.0);
+    }
+  }
+  return s;
+}
+
 // Section 2.3 defensive aggregation per head (floor at the mean of the head's own P_h scores). Returns [Hkv][P_h].
 inline Ragged defensive_scores(const Attn& attn, int Hkv, int w, int kernel, Pool pool, bool floor) {
   const int G = static_cast<int>(attn.size()) / Hkv;

@@ -580,6 +580,9 @@ std::vector<Case> cases() {
     p.alpha = 0.5;
   });
   add(Method::adakv_defensive, "adakv_defensive", none);
+  add(Method::tova, "tova", none);
+  add(Method::knorm, "knorm", none);
+  add(Method::keydiff, "keydiff", none);
   add(Method::layer_defensivekv, "layer_defensivekv", none);
   add(Method::layer_defensivekv, "layer_defensivekv l2 no floor .5", [](ly::MethodParams& p) {
     p.value_norm = 2;
@@ -613,7 +616,14 @@ Model ragged_select(const Case& c, const std::vector<rg::Layer>& layers, const s
     cp.pool = p.pool;
     switch (c.method) {
       case Method::snapkv:
+      case Method::tova:  // per head: SnapKV with TOVA's parameters
         out.push_back(rg::snapkv(l, n, p.kernel, p.pool));
+        break;
+      case Method::knorm:
+        out.push_back(rg::snapkv(rg::key_norm_scores(l), rg::positions(l), l.w, n));
+        break;
+      case Method::keydiff:
+        out.push_back(rg::snapkv(rg::key_diff_scores(l), rg::positions(l), l.w, n));
         break;
       case Method::adakv:
         out.push_back(rg::adakv(l, n, p.alpha, p.kernel, p.pool));

@@ -171,8 +171,11 @@ std::vector<kvevict::Selection> library_select(const std::string& policy, const 
   knobs.reduce = layout.reduction();
   knobs.block = layout.block;
   std::vector<kvevict::Selection> out;
-  const bool found = kvevict::catalogue::visit(
-      policy, [&](const auto& e) { out = kvevict::select_layers<float>(e.make(knobs), in, budget); });
+  const bool found = kvevict::catalogue::visit(policy, [&](const auto& e) {
+    kvevict::Knobs k = knobs;  // kvevict-select takes the window from q_window only for a policy that reads it
+    if (!std::decay_t<decltype(e)>::policy_type::reads_observation()) k.window.reset();
+    out = kvevict::select_layers<float>(e.make(k), in, budget);
+  });
   REQUIRE(found);
   return out;
 }
@@ -298,20 +301,24 @@ TEST_CASE("kvevict-select --block on ragged layers (heads of different lengths) 
         expect_library(policy, {"--budget 8", kvevict::Budget::tokens(8)}, {"head", reduce, block}, in, layers);
 }
 
-TEST_CASE("kvevict-select without layout options: share head, reduce max, block 1 in the metadata, no kept_blocks",
-          "[cli][layout]") {
+TEST_CASE(
+    "kvevict-select without layout options: the preset's layout in the metadata (share head, reduce max, "
+    "block 1, except TOVA: share layer, reduce mean), no kept_blocks",
+    "[cli][layout]") {
   const std::vector<FileLayer> layers = shared_model(20260704, 3);
   const fs::path in = scratch() / "layout_default.safetensors", out = scratch() / "layout_default_out.safetensors",
                  out_explicit = scratch() / "layout_explicit_out.safetensors";
   write_model(in, layers);
   for (const std::string& policy : policy_names()) {
     CAPTURE(policy);
+    const std::string share = policy == "tova" ? "layer" : "head", reduce = policy == "tova" ? "mean" : "max";
     REQUIRE(run_cli("--policy " + policy + " --budget 10" + io(in, out)).status == 0);
-    REQUIRE(run_cli("--policy " + policy + " --budget 10 --share head --reduce max --block 1" + io(in, out_explicit))
+    REQUIRE(run_cli("--policy " + policy + " --budget 10 --share " + share + " --reduce " + reduce + " --block 1" +
+                    io(in, out_explicit))
                 .status == 0);
     const st::file f = st::file::open(out.string()), e = st::file::open(out_explicit.string());
-    CHECK(f.metadata().at("share") == "head");
-    CHECK(f.metadata().at("reduce") == "max");
+    CHECK(f.metadata().at("share") == share);
+    CHECK(f.metadata().at("reduce") == reduce);
     CHECK(f.metadata().at("block") == "1");
     CHECK(f.metadata() == e.metadata());
     CHECK(f.tensors().size() == 3 * layers.size());

@@ -144,8 +144,12 @@ std::vector<kvevict::Selection> library_select(const std::string& policy, const 
   kvevict::Knobs knobs;
   knobs.window = layers.front().r.w;
   std::vector<kvevict::Selection> out;
-  const bool found = kvevict::catalogue::visit(
-      policy, [&](const auto& e) { out = kvevict::select_layers<S>(e.make(knobs), in, budget); });
+  const bool found = kvevict::catalogue::visit(policy, [&](const auto& e) {
+    kvevict::Knobs k = knobs;  // kvevict-select takes the window from q_window only for a policy that reads it
+    if (!std::decay_t<decltype(e)>::policy_type::reads_observation()) k.window.reset();
+    if (policy == "tova") k.share = kvevict::Sharing::per_head;  // as expect_library runs it
+    out = kvevict::select_layers<S>(e.make(k), in, budget);
+  });
   REQUIRE(found);
   return out;
 }
@@ -224,7 +228,9 @@ void expect_library(const std::string& policy, const BudgetFlag& b, const std::v
                     const Contents& c, const std::string& extra = "") {
   const fs::path in = scratch() / "ragged.safetensors", out = scratch() / "ragged_out.safetensors";
   write_model(in, layers, c);
-  const std::string args = "--policy " + policy + " " + b.text + extra + io(in, out);
+  // TOVA's default (one set per layer) needs the heads at the same positions: per head on these layers.
+  const std::string args =
+      "--policy " + policy + " " + b.text + extra + (policy == "tova" ? " --share head" : "") + io(in, out);
   const Run r = run_cli(args);
   CAPTURE(args, c.lengths, c.positions, c.obs == Obs::attention, r.err);
   REQUIRE(r.status == 0);

@@ -155,25 +155,11 @@ inline void require_scale(const KVScale& scale, bool quantized, const extend::La
           ", 1] (per_token_scales() or per_head_token_scales())");
 }
 
-/// Checks `in` against the rules of docs/algorithms.md section 1 for a window of `window` queries (and
-/// section 6 for ragged layers); O(1), or O(sum of L_h) with positions.
+/// The observation's part of validate_inputs: queries [H, w, d] or attention [H, w, >= L] against `s` (sets
+/// query_heads and group).
 template <class KV, class Q, class W>
-extend::LayerShape validate_inputs(const LayerInputs<KV, Q, W>& in, Index window, const char* where) {
-  const bool has_q = in.queries.heads() * in.queries.rows() * in.queries.cols() > 0;
-  const bool has_a = in.attention.heads() * in.attention.rows() * in.attention.cols() > 0;
-  extend::LayerShape s = read_entries(in, where);
-  require(has_q != has_a, where, "exactly one of queries [H, w, head_dim] and attention [H, w, L] must be given, got ",
-          has_q ? "both" : "neither");
-  s.window = window;
-  require(window >= 1, where, "window must be >= 1, got ", window);
-  if (s.ragged()) {
-    for (Index h = 0; h < s.kv_heads; ++h)
-      require(window < s.length(h), where, "window (", window, ") must be smaller than the entries of KV head ", h,
-              " (", s.length(h), ")");
-  } else {
-    require(window < s.tokens, where, "window (", window, ") must be smaller than the context length (", s.tokens, ")");
-  }
-  s.prefix = s.tokens - window;
+void validate_observation(const LayerInputs<KV, Q, W>& in, bool has_q, extend::LayerShape& s, const char* where) {
+  const Index window = s.window;
   const HeadsView<const Q>& obs = has_q ? in.queries : in.attention;
   const char* obs_name = has_q ? "queries" : "attention";
   s.query_heads = obs.heads();
@@ -190,6 +176,36 @@ extend::LayerShape validate_inputs(const LayerInputs<KV, Q, W>& in, Index window
   else
     require(in.attention.cols() == s.tokens, where, "attention columns (", in.attention.cols(),
             ") must equal the context length (", s.tokens, ")");
+}
+
+/// Checks `in` against the rules of docs/algorithms.md section 1 for a window of `window` queries (and
+/// section 6 for ragged layers); O(1), or O(sum of L_h) with positions. With needs_observation false (key-only
+/// selectors) the queries and attention are not read, nor checked: the shape has query_heads = kv_heads, group 1.
+template <class KV, class Q, class W>
+extend::LayerShape validate_inputs(const LayerInputs<KV, Q, W>& in, Index window, const char* where,
+                                   bool needs_observation = true) {
+  const bool has_q = in.queries.heads() * in.queries.rows() * in.queries.cols() > 0;
+  const bool has_a = in.attention.heads() * in.attention.rows() * in.attention.cols() > 0;
+  extend::LayerShape s = read_entries(in, where);
+  require(!needs_observation || has_q != has_a, where,
+          "exactly one of queries [H, w, head_dim] and attention [H, w, L] must be given, got ",
+          has_q ? "both" : "neither");
+  s.window = window;
+  require(window >= 1, where, "window must be >= 1, got ", window);
+  if (s.ragged()) {
+    for (Index h = 0; h < s.kv_heads; ++h)
+      require(window < s.length(h), where, "window (", window, ") must be smaller than the entries of KV head ", h,
+              " (", s.length(h), ")");
+  } else {
+    require(window < s.tokens, where, "window (", window, ") must be smaller than the context length (", s.tokens, ")");
+  }
+  s.prefix = s.tokens - window;
+  if (needs_observation) {
+    validate_observation(in, has_q, s, where);
+  } else {  // key-only: queries or attention, if given, are not read
+    s.query_heads = s.kv_heads;
+    s.group = 1;
+  }
   require_scale(in.keys_scale, is_quantized_v<KV>, s, "keys", where);
   require_scale(in.values_scale, is_quantized_v<KV>, s, "values", where);
   const bool has_v = in.values.heads() * in.values.rows() * in.values.cols() > 0;

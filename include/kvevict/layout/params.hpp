@@ -1,5 +1,5 @@
 #pragma once
-/// Stage 2.8, the layout of a selection (docs/algorithms.md section 8): which KV heads share one kept set, how their
+/// The layout of a selection (docs/algorithms.md section 8): which KV heads share one kept set, how their
 /// scores are reduced to one, and whether whole blocks of rows are kept or evicted. Parameters of every policy.
 
 #include "kvevict/core/error.hpp"

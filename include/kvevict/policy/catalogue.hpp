@@ -22,6 +22,8 @@
 #include "kvevict/policy/presets.hpp"
 #include "kvevict/selectors/critical_selector.hpp"
 #include "kvevict/selectors/defensive_selector.hpp"
+#include "kvevict/selectors/key_diff_selector.hpp"
+#include "kvevict/selectors/key_norm_selector.hpp"
 
 namespace kvevict {
 
@@ -160,7 +162,11 @@ inline auto entries() {
       Entry<CriticalSnapKV>{"criticalkv-snapkv", "CriticalKV's selector on SnapKV's uniform allocation"},
       Entry<DefensiveKV>{"defensivekv", "worst-case aggregation, value term, mass forcing (arXiv 2510.13334)"},
       Entry<LayerDefensiveKV>{"layer-defensivekv", "DefensiveKV with one budget across layers (arXiv 2510.13334)"},
-      Entry<AdaKVDefensive>{"adakv-defensive", "AdaKV with the defensive aggregation alone (ablation)"});
+      Entry<AdaKVDefensive>{"adakv-defensive", "AdaKV with the defensive aggregation alone (ablation)"},
+      Entry<TOVA>{"tova",
+                  "the last query's attention, mean over the layer's heads; one set per layer (arXiv 2401.06104)"},
+      Entry<KNorm>{"knorm", "keys of lowest L2 norm; reads keys only (arXiv 2406.11430)"},
+      Entry<KeyDiff>{"keydiff", "keys least similar to the head's mean key direction; keys only (arXiv 2504.18838)"});
 }
 
 /// The bases of a composition Policy<Base, Selector> (their allocation and its defaults) and the selectors.
@@ -177,7 +183,8 @@ struct SelectorEntry {
 };
 inline auto selectors() {
   return std::make_tuple(SelectorEntry<AttentionSelector>{"attention"}, SelectorEntry<CriticalSelector>{"critical"},
-                         SelectorEntry<DefensiveSelector>{"defensive"});
+                         SelectorEntry<DefensiveSelector>{"defensive"}, SelectorEntry<KeyNormSelector>{"knorm"},
+                         SelectorEntry<KeyDiffSelector>{"keydiff"});
 }
 
 /// Calls f(entry) for every element of a tuple of entries, in order.

@@ -77,7 +77,6 @@ struct is_selector<
                              std::declval<const CommonParams&>(), std::declval<const extend::LayerBudget&>(), "")),
                          typename T::template Layer<float>>> {};
 
-/// A model-level preset (LayerGlobalPolicy<S> or a class derived from one, such as LayerDefensiveKV).
 /// A Selector that can rank by upper bounds and refine them (CriticalSelector's pruned L1 term):
 ///   template <class S, class In> Layer<S> score_bounded(in, shape, common, budget, where) const;
 ///   template <class S, class In> bool refine(Layer<S>& layer, const Layer<S>& selected, budgets, keep, in, shape)
@@ -97,6 +96,16 @@ struct refines_bounds<
                        std::declval<const LayerInputs<float>&>(), std::declval<const extend::LayerShape&>())))>>
     : std::true_type {};
 
+/// Whether a Selector reads the window observation (LayerInputs::queries or attention): true unless it declares
+///   static constexpr bool reads_observation() { return false; }   // key-only scores (KeyNormSelector)
+/// A policy over such a selector takes layers without an observation (one that is given is ignored).
+template <class T, class = void>
+struct reads_observation : std::true_type {};
+template <class T>
+struct reads_observation<T, std::void_t<decltype(T::reads_observation())>>
+    : std::bool_constant<T::reads_observation()> {};
+
+/// A model-level preset (LayerGlobalPolicy<S> or a class derived from one, such as LayerDefensiveKV).
 template <class T, class = void>
 struct is_layer_global : std::false_type {};
 template <class T>

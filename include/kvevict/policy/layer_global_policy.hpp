@@ -53,7 +53,8 @@ class LayerGlobalPolicy {
     template <class KV, class Q, class W>
     void add(const LayerInputs<KV, Q, W>& in) {
       const std::string where = policy_.name_ + "::add (layer " + std::to_string(layers_.size()) + ")";
-      const extend::LayerShape shape = detail::validate_inputs(in, policy_.params_.window, where.c_str());
+      const extend::LayerShape shape =
+          detail::validate_inputs(in, policy_.params_.window, where.c_str(), reads_observation());
       detail::require_dense_for_quirks(shape, policy_.params_.reference_quirks, where.c_str());
       extend::LayerBudget b = extend::layer_budget(shape, budget_, where.c_str(), true);
       policy_.selector_.adjust_budget(b, shape, policy_.params_, where.c_str());
@@ -185,7 +186,7 @@ class LayerGlobalPolicy {
   const Params& params() const { return params_; }
   const std::string& name() const { return name_; }
   /// Whether select() reads the window observation (queries or attention), and values and W_o.
-  static constexpr bool reads_observation() { return true; }
+  static constexpr bool reads_observation() { return detail::reads_observation<SelectorType>::value; }
   bool reads_values() const { return selector_.reads_values(); }
 
   /// A plan for one model: add() every layer in order, then apply(). S is the arithmetic type.

@@ -67,7 +67,7 @@ class Policy {
   /// The preset's name (e.g. "SnapKV"), or "Policy<Base, Selector>" for a composition.
   const std::string& name() const { return name_; }
   /// Whether select() reads the window observation (queries or attention), and values and W_o.
-  static constexpr bool reads_observation() { return true; }
+  static constexpr bool reads_observation() { return detail::reads_observation<SelectorType>::value; }
   bool reads_values() const { return selector_.reads_values(); }
 
   /// Selects what one layer keeps. S is the arithmetic type (float, or double to compare with a float64
@@ -170,7 +170,7 @@ class Policy {
   template <class S, class KV, class Q, class W>
   Scored<S> score_layer(const LayerInputs<KV, Q, W>& in, const Budget& budget, const std::string& where,
                         bool bounded = false) const {
-    const extend::LayerShape shape = detail::validate_inputs(in, params_.window, where.c_str());
+    const extend::LayerShape shape = detail::validate_inputs(in, params_.window, where.c_str(), reads_observation());
     detail::require_dense_for_quirks(shape, params_.reference_quirks, where.c_str());
     extend::LayerBudget layer = extend::layer_budget(shape, budget, where.c_str());
     selector_.adjust_budget(layer, shape, params_, where.c_str());

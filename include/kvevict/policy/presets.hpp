@@ -10,6 +10,8 @@
 #include "kvevict/selectors/attention_selector.hpp"
 #include "kvevict/selectors/critical_selector.hpp"
 #include "kvevict/selectors/defensive_selector.hpp"
+#include "kvevict/selectors/key_diff_selector.hpp"
+#include "kvevict/selectors/key_norm_selector.hpp"
 
 namespace kvevict {
 inline namespace KVEVICT_ABI_NAMESPACE {  // core/config.hpp: code that depends on KVEVICT_OPENMP
@@ -74,6 +76,46 @@ class AdaKVDefensive : public Policy<AdaKV, DefensiveSelector> {
     }
   };
   explicit AdaKVDefensive(const Params& p = Params{}) : Policy(p, type_name) {}
+};
+
+/// TOVA (arXiv 2401.06104), as kvpress TOVAPress: the attention of the last query alone (window 1, no pooling),
+/// averaged over every query head of the layer, so all KV heads keep one set (share = per_layer, reduce = mean);
+/// n_kept per KV head. SnapKV's parts with other defaults.
+class TOVA : public Policy<UniformAllocation, AttentionSelector> {
+ public:
+  static constexpr const char* type_name = "TOVA";
+  struct Params : Policy::Params {
+    Params() {
+      window = 1;
+      kernel = 1;
+      share = Sharing::per_layer;
+      reduce = Reduce::mean;
+    }
+  };
+  explicit TOVA(const Params& p = Params{}) : Policy(p, type_name) {}
+};
+
+/// K-norm (arXiv 2406.11430), as kvpress KnormPress: the keys of lowest L2 norm, n_kept per KV head. Reads the
+/// keys alone (no queries or attention needed). Window 1: only the last token is kept whatever its score (kvpress
+/// scores it as any other).
+class KNorm : public Policy<UniformAllocation, KeyNormSelector> {
+ public:
+  static constexpr const char* type_name = "KNorm";
+  struct Params : Policy::Params {
+    Params() { window = 1; }
+  };
+  explicit KNorm(const Params& p = Params{}) : Policy(p, type_name) {}
+};
+
+/// KeyDiff (arXiv 2504.18838), as kvpress KeyDiffPress: the keys least similar (cosine) to the head's mean key
+/// direction, n_kept per KV head. Reads the keys alone. Window 1, as KNorm.
+class KeyDiff : public Policy<UniformAllocation, KeyDiffSelector> {
+ public:
+  static constexpr const char* type_name = "KeyDiff";
+  struct Params : Policy::Params {
+    Params() { window = 1; }
+  };
+  explicit KeyDiff(const Params& p = Params{}) : Policy(p, type_name) {}
 };
 
 }  // namespace KVEVICT_ABI_NAMESPACE
