@@ -105,7 +105,8 @@ template <class Policy>
 void BM_Layout(benchmark::State& state, const Model& m, Index L, const Policy& policy, const Policy& tokens,
                bool baseline) {
   const Stack& s = stack(m, L);
-  const std::vector<kvevict::LayerInputs<float>>& layers = policy.reads_values() ? s.with_gram : s.plain;
+  const std::vector<kvevict::LayerInputs<float>> layers =
+      observed_by(policy, policy.reads_values() ? s.with_gram : s.plain);
   const auto budget = kvevict::Budget::keep_ratio(kKeep);
   const auto n_kept = static_cast<Index>(budget.n_kept(L));
   double total = 0, total_tokens = 0, extra_bytes = 0;

@@ -124,7 +124,7 @@ void BM_Stream(benchmark::State& state, const Model& m, const Policy& policy) {
       const auto level = heap::mark();
       total += seconds([&] {
         evictions += kvevict::evict_over_budget(
-            policy, book, n, [&](Index) { return in; },
+            policy, book, n, [&](Index) { return observed_by(policy, in); },
             [&](Index, const kvevict::Selection& s) {
               compaction += seconds([&] {
                 book.layer(0).apply(s, kvevict::kv_heads_major<float>(keys.data(), m.Hkv, capacity, m.d),

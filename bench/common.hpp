@@ -182,15 +182,39 @@ inline kvevict::Knobs with_value_norm(kvevict::ValueNorm norm) {
   return k;
 }
 
+template <class P, class = void>
+struct has_window : std::false_type {};
+template <class P>
+struct has_window<P, std::void_t<decltype(std::declval<const P&>().params().window)>> : std::true_type {};
+
+/// `in` as `policy` observes it: the last params().window of its kWindow query (or attention) rows, as an engine
+/// that keeps kWindow recent queries gives a policy with a shorter window (TOVA: 1); `in` itself otherwise.
+template <class Policy, class In>
+In observed_by(const Policy& policy, In in) {
+  if constexpr (has_window<Policy>::value) {
+    const Index w = policy.params().window;
+    if (in.queries.rows() > w) in.queries = kvevict::last_rows(in.queries, w);
+    if (in.attention.rows() > w) in.attention = kvevict::last_rows(in.attention, w);
+  }
+  return in;
+}
+template <class Policy, class In>
+std::vector<In> observed_by(const Policy& policy, const std::vector<In>& layers) {
+  std::vector<In> out;
+  for (const In& in : layers) out.push_back(observed_by(policy, in));
+  return out;
+}
+
 /// One layer's selection with any policy: a layer-global one selects a model of that single layer (through
-/// kvevict::select_layers, as an engine would), a per-layer one calls select().
+/// kvevict::select_layers, as an engine would), a per-layer one calls select(); each observes its own window.
 template <class Policy, class KV, class Q, class W>
 kvevict::Selection select_one(const Policy& policy, const kvevict::LayerInputs<KV, Q, W>& in,
                               const kvevict::Budget& budget) {
   if constexpr (kvevict::budget_scope<Policy>() == kvevict::BudgetScope::model)
-    return std::move(kvevict::select_layers(policy, std::vector<kvevict::LayerInputs<KV, Q, W>>{in}, budget)[0]);
+    return std::move(kvevict::select_layers(
+        policy, std::vector<kvevict::LayerInputs<KV, Q, W>>{observed_by(policy, in)}, budget)[0]);
   else
-    return policy.select(in, budget);
+    return policy.select(observed_by(policy, in), budget);
 }
 
 }  // namespace kvevict_bench

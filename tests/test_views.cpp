@@ -209,4 +209,23 @@ TEST_CASE("selection over padded strided views equals the selection over dense s
   }
 }
 
+TEST_CASE("last_rows: the last n rows of every head, no copy, in both layouts", "[views]") {
+  std::vector<float> buf(2 * 5 * 3);
+  std::iota(buf.begin(), buf.end(), 0.0f);
+  for (const auto& v : {kvevict::HeadsView<const float>::heads_major(buf.data(), 2, 5, 3),
+                        kvevict::HeadsView<const float>::rows_major(buf.data(), 5, 2, 3)}) {
+    const auto last = kvevict::last_rows(v, 2);
+    CHECK(last.heads() == 2);
+    CHECK(last.rows() == 2);
+    CHECK(last.cols() == 3);
+    for (kvevict::Index h = 0; h < 2; ++h)
+      for (kvevict::Index r = 0; r < 2; ++r) CHECK(last.row(h, r) == v.row(h, 3 + r));
+    CHECK(kvevict::last_rows(v, 5).row(1, 0) == v.row(1, 0));
+    CHECK(kvevict::last_rows(v, 0).rows() == 0);
+    REQUIRE_THROWS_WITH(kvevict::last_rows(v, 6),
+                        Catch::Contains("last_rows: n must be in [0, 5] (the view's rows), got 6"));
+    REQUIRE_THROWS_WITH(kvevict::last_rows(v, -1), Catch::Contains("got -1"));
+  }
+}
+
 }  // namespace test_views

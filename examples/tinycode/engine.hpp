@@ -137,8 +137,10 @@ class Engine {
       throw std::logic_error("Engine::eviction_inputs: fewer than window = " + std::to_string(window_) +
                              " positions have been run");
     kvevict::LayerInputs<float> in;
-    const float* rows = window_queries_[static_cast<std::size_t>(layer)].data() + (window_ - w) * c.head_dim;
-    in.queries = kvevict::HeadsView<const float>(rows, c.n_head, w, c.head_dim, window_ * c.head_dim, c.head_dim);
+    in.queries =
+        kvevict::last_rows(kvevict::HeadsView<const float>::heads_major(
+                               window_queries_[static_cast<std::size_t>(layer)].data(), c.n_head, window_, c.head_dim),
+                           w);
     in.keys = cache_.key_view(layer);
     in.values = cache_.value_view(layer);
     const Matrix& wo = model_->layers[static_cast<std::size_t>(layer)].wo;  // W_o [d_model, n_head * head_dim]

@@ -77,6 +77,15 @@ class HeadsView {
   Index heads_ = 0, rows_ = 0, cols_ = 0, head_stride_ = 0, row_stride_ = 0;
 };
 
+/// The last n rows of every head of `v` (no copy): e.g. the last w of an engine's longer buffer of recent queries,
+/// for a policy whose window is w (TOVA's is 1).
+template <class T>
+HeadsView<T> last_rows(const HeadsView<T>& v, Index n) {
+  detail::require(n >= 0 && n <= v.rows(), "last_rows", "n must be in [0, ", v.rows(), "] (the view's rows), got ", n);
+  return HeadsView<T>(v.data() == nullptr ? nullptr : v.data() + (v.rows() - n) * v.row_stride(), v.heads(), n,
+                      v.cols(), v.head_stride(), v.row_stride());
+}
+
 /// Keys or values of one layer: [kv_heads, tokens, head_dim] seen per head as [tokens, head_dim].
 template <class T>
 using KVView = HeadsView<T>;
