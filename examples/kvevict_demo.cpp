@@ -72,11 +72,12 @@ kvevict::Knobs with_layout(kvevict::Knobs k) {
   return k;
 }
 
-/// The catalogue's policy `base` with `knobs` (and the layout) applied, under `name`.
+/// The catalogue's policy `base` with `knobs` (and the layout) applied, under `name`; with a `selector`, the
+/// composition Policy<base, selector> (kvevict::catalogue::compose: bases() and selectors()).
 PolicyEntry entry(const std::string& name, const std::string& base, const kvevict::Knobs& knobs = {},
-                  bool ablation = false) {
+                  bool ablation = false, const std::string& selector = "") {
   PolicyEntry out{name, {}, kvevict::BudgetScope::head, ablation};
-  const bool found = kvevict::catalogue::visit(base, [&](const auto& e) {
+  const auto make = [&](const auto& e) {
     out.scope = e.scope;
     out.compress = [e, knobs](const Engine& engine, const kvevict::Budget& budget) {
       const auto policy = e.make(with_layout(knobs));
@@ -87,8 +88,10 @@ PolicyEntry entry(const std::string& name, const std::string& base, const kvevic
       engine.evict_over_budget(e.make(with_layout(knobs)), n, &stats);
       *select_ms += stats.select_ms;
     };
-  });
-  if (!found) throw std::logic_error("kvevict-demo: no catalogue policy '" + base + "'");
+  };
+  const bool found =
+      selector.empty() ? kvevict::catalogue::visit(base, make) : kvevict::catalogue::compose(base, selector, make);
+  if (!found) throw std::logic_error("kvevict-demo: no catalogue policy '" + base + "' (selector '" + selector + "')");
   return out;
 }
 
@@ -112,6 +115,11 @@ const std::vector<PolicyEntry>& all_policies() {
     list.push_back(entry("defensivekv+safeguard", "defensivekv", safeguard, true));
     list.push_back(entry("layer-defensivekv+l2", "layer-defensivekv", l2, true));
     list.push_back(entry("layer-defensivekv-no-value", "layer-defensivekv", no_value, true));
+    // Question-agnostic KeyDiff scores under budgets that move across layers (the last token as the window).
+    kvevict::Knobs last_token;
+    last_token.window = 1;
+    list.push_back(entry("layer+keydiff", "layer", last_token, true, "keydiff"));
+    list.push_back(entry("pyramidkv+keydiff", "pyramidkv", last_token, true, "keydiff"));
     return list;
   }();
   return policies;

@@ -330,7 +330,8 @@ PYBIND11_MODULE(kvevict, m) {
       "StreamingLLM, composed base+selector).\n\n"
       "select(policy, keys=K, values=V, q_window=Q, w_o=Wo, keep=0.1, **options) -> Selection\n"
       "select_layers(policy, [dict(keys=..., ...), ...], keep=0.1, **options) -> [Selection]\n"
-      "Options are kvevict-select's, in snake_case (window, pool, kernel, alpha, adakv_variant, sinks, precision, "
+      "Options are kvevict-select's, in snake_case (window, pool, kernel, alpha, adakv_variant, beta, sinks, "
+      "precision, "
       "reference_quirks, share, reduce, block, eps, first_stage_ratio, value_norm, mass_threshold, no_floor, base, "
       "selector). See docs/python.md.";
   m.attr("__version__") = kvevict_version();

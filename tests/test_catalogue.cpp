@@ -70,7 +70,7 @@ TEST_CASE("catalogue: every entry is named once and makes its preset with the pr
   CHECK_FALSE(kvevict::catalogue::visit("nosuch", [](const auto&) {}));
   CHECK(kvevict::catalogue::names(kvevict::catalogue::entries())
             .rfind("streamingllm, snapkv, adakv, criticalkv, criticalkv-snapkv, defensivekv, layer-defensivekv, "
-                   "adakv-defensive, tova, knorm, keydiff",
+                   "adakv-defensive, tova, knorm, keydiff, pyramidkv",
                    0) == 0);
 }
 
@@ -90,6 +90,10 @@ TEST_CASE("catalogue: budget scopes, knob lists and knobs applied", "[catalogue]
   CHECK(kvevict::knob_names<kvevict::CriticalKV::Params>() ==
         Names{"share", "reduce", "block", "window", "pooling", "kernel", "reference_quirks", "alpha", "adakv_variant",
               "eps", "first_stage_ratio", "value_norm"});
+  CHECK(kvevict::knob_names<kvevict::PyramidKV::Params>() ==
+        Names{"share", "reduce", "block", "window", "pooling", "kernel", "reference_quirks", "beta"});
+  STATIC_REQUIRE(kvevict::budget_scope<kvevict::Policy<kvevict::PyramidKV, kvevict::DefensiveSelector>>() ==
+                 BudgetScope::model);
   CHECK(kvevict::knob_names<kvevict::LayerDefensiveKV::Params>() ==
         Names{"share", "reduce", "block", "window", "pooling", "kernel", "reference_quirks", "mass_threshold",
               "value_norm", "floor", "value_term", "mass_forcing"});
@@ -144,13 +148,15 @@ TEST_CASE("catalogue: select_layers runs every entry over a model, errors name t
     if constexpr (std::decay_t<decltype(e)>::layer_global) {
       CHECK(same(sels, policy.select(layers, b)));
     } else {
-      for (std::size_t l = 0; l < 3; ++l) CHECK(same(sels[l], policy.select(layers[l], b)));
+      for (std::size_t l = 0; l < 3; ++l) CHECK(same(sels[l], policy.select(layers[l], b, static_cast<Index>(l), 3)));
     }
     // A bad layer is named, with the policy.
     std::vector<kvevict::LayerInputs<float>> broken = layers;
     broken[2].keys = kvevict::kv_heads_major<const float>(stored[2].k.data(), s.Hkv, 10, s.d);  // 10 tokens < n_kept
     broken[2].values = {};
-    if constexpr (std::decay_t<decltype(policy)>::reads_observation()) {
+    // (A model budget scheduled per layer, PyramidKV's, is not bounded by a layer: that one keeps all it holds.)
+    if constexpr (std::decay_t<decltype(policy)>::reads_observation() &&
+                  !kvevict::detail::is_scheduled<std::decay_t<decltype(policy)>>::value) {
       const std::string where = e.layer_global ? "::add (layer 2): " : "::select (layer 2): ";
       REQUIRE_THROWS_MATCHES(kvevict::select_layers(policy, broken, b), kvevict::invalid_argument,
                              kvevict_test::MessageContains(policy.name() + where));
@@ -199,8 +205,9 @@ TEST_CASE("every scored preset works as the base of Policy<Base, Selector>, with
               CHECK(p.alpha == typename Base::Params{}.alpha);
               q.alpha = typename Base::Params{}.alpha;
             }
-            CHECK(same(composed.template select<double>(st.in, b),
-                       kvevict::Policy<A, Sel>(q).template select<double>(st.in, b)));
+            // Layer 1 of 2: a scheduled allocation (PyramidKV) gives it its share; the others ignore the place.
+            CHECK(same(composed.template select<double>(st.in, b, 1, 2),
+                       kvevict::Policy<A, Sel>(q).template select<double>(st.in, b, 1, 2)));
           }
         }
       });
@@ -286,7 +293,7 @@ void mixed_selects_as_float(Rng& rng, int cases) {
             policy.select(std::vector<kvevict::LayerInputs<float>>{m.wide.in, m.wide.in}, b);
         CHECK(same(got, want));
       } else {
-        CHECK(same(policy.select(m.in, b), policy.select(m.wide.in, b)));
+        CHECK(same(policy.select(m.in, b, 1, 2), policy.select(m.wide.in, b, 1, 2)));  // layer 1 of 2 (PyramidKV)
       }
     });
   }

@@ -167,19 +167,21 @@ TEST_CASE("layout reference: every policy x sharing x block x reduce, random lay
             if (n < block || n > min_entries) continue;
             const Budget budget = Budget::tokens(n);
             const std::vector<std::int64_t> n_kept(model.size(), n);
-            const auto check = [&](const char* name, lref::Method m, const std::vector<Selection>& got,
-                                   lref::MethodParams p) {
-              const std::vector<ref::KeptRows> want = lref::select(m, model, n_kept, p, ref_layout(layout));
+            const auto check_kept = [&](const char* name, lref::Method m, const std::vector<Selection>& got,
+                                        lref::MethodParams p, const std::vector<std::int64_t>& kept_n) {
+              const std::vector<ref::KeptRows> want = lref::select(m, model, kept_n, p, ref_layout(layout));
               INFO(name << " share " << kvevict::to_string(share) << " block " << block << " reduce "
                         << kvevict::to_string(reduce) << " n " << n << " trial " << trial);
               INFO("got  " << show(rows_of(got)));
               INFO("want " << show(want));
               if (rows_of(got) != want) {
                 ++near_ties;
-                CHECK(near_tie_swap(rows_of(got), want, m, model, n_kept, p, ref_layout(layout)));
+                CHECK(near_tie_swap(rows_of(got), want, m, model, kept_n, p, ref_layout(layout)));
               }
               ++compared;
             };
+            const auto check = [&](const char* name, lref::Method m, const std::vector<Selection>& got,
+                                   lref::MethodParams p) { check_kept(name, m, got, p, n_kept); };
             check("snapkv", lref::Method::snapkv,
                   kvevict::select_layers<double>(make<kvevict::SnapKV>({}, w, layout), inputs, budget),
                   lref::preset(lref::Method::snapkv));
@@ -210,6 +212,16 @@ TEST_CASE("layout reference: every policy x sharing x block x reduce, random lay
             check("keydiff", lref::Method::keydiff,
                   kvevict::select_layers<double>(make<kvevict::KeyDiff>({}, w, layout), inputs, budget),
                   lref::preset(lref::Method::keydiff));
+            {  // PyramidKV: SnapKV with each layer's share of the model (per_model: one set of n)
+              std::vector<std::int64_t> shares = n_kept;
+              if (share != kvevict::Sharing::per_model)
+                shares = lref::pyramid_shares(20.0, n, std::max<std::int64_t>(w, block), static_cast<std::int64_t>(NL));
+              // A share above a head's length keeps all of it (tests/test_pyramid.cpp): compared where none is.
+              if (*std::max_element(shares.begin(), shares.end()) <= min_length)
+                check_kept("pyramidkv", lref::Method::snapkv,
+                           kvevict::select_layers<double>(make<kvevict::PyramidKV>({}, w, layout), inputs, budget),
+                           lref::preset(lref::Method::snapkv), shares);
+            }
             kvevict::StreamingLLM::Params sp;
             static_cast<kvevict::LayoutParams&>(sp) = layout;
             sp.sinks = 1 + trial % 5;

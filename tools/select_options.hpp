@@ -89,6 +89,8 @@ inline std::string usage_text() {
          "  --kernel K                odd pooling kernel (default 5)\n"
          "  --alpha A                 AdaKV safeguard fraction in [0, 1] (default 0.2; DefensiveKV 0)\n"
          "  --adakv-variant kvpress|original   AdaKV allocation (default kvpress)\n"
+         "  --beta B                  PyramidKV steepness >= 1: the last layer's prefix share is 1/B of the mean\n"
+         "                            (default 20)\n"
          "  --sinks N                 StreamingLLM sink tokens (default 4)\n"
          "  --precision f32|f64       arithmetic precision (default f32)\n"
          "  --reference-quirks        reproduce the reference code's quirks (needs --compression-ratio for defensive)\n"
@@ -218,6 +220,10 @@ class OptionSet {
       if (v != "kvpress" && v != "original") throw usage_error(flag + " must be kvpress or original, got '" + v + "'");
       o.knobs.adakv_variant = v == "kvpress" ? kvevict::HeadAdaptiveAllocation::Variant::kvpress
                                              : kvevict::HeadAdaptiveAllocation::Variant::original;
+    } else if (a == "beta") {
+      const double beta = parse_double(flag, v);
+      o.knobs.beta = beta;
+      if (!(beta >= 1.0)) throw usage_error(flag + " must be >= 1, got " + v);
     } else if (a == "sinks") {
       const Index sinks = parse_int(flag, v);
       o.knobs.sinks = sinks;
@@ -315,10 +321,29 @@ class OptionSet {
     return n;
   }
   static const std::vector<std::string>& names() {
-    static const std::vector<std::string> all = {
-        "policy", "base",  "selector",          "budget",     "keep",           "compression-ratio", "window", "pool",
-        "kernel", "alpha", "adakv-variant",     "sinks",      "precision",      "reference-quirks",  "share",  "reduce",
-        "block",  "eps",   "first-stage-ratio", "value-norm", "mass-threshold", "no-floor"};
+    static const std::vector<std::string> all = {"policy",
+                                                 "base",
+                                                 "selector",
+                                                 "budget",
+                                                 "keep",
+                                                 "compression-ratio",
+                                                 "window",
+                                                 "pool",
+                                                 "kernel",
+                                                 "alpha",
+                                                 "adakv-variant",
+                                                 "beta",
+                                                 "sinks",
+                                                 "precision",
+                                                 "reference-quirks",
+                                                 "share",
+                                                 "reduce",
+                                                 "block",
+                                                 "eps",
+                                                 "first-stage-ratio",
+                                                 "value-norm",
+                                                 "mass-threshold",
+                                                 "no-floor"};
     return all;
   }
   std::string option_names() const {

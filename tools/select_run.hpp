@@ -242,6 +242,11 @@ std::vector<kvevict::Selection> select_layers(const Options& opt, const st::file
   return run_policy<S>(opt, inputs, window);
 }
 
+#ifdef KVEVICT_SELECT_RUN_EXTERN  // compiled once, in tools/select_run.cpp (tools/CMakeLists.txt)
+extern template std::vector<kvevict::Selection> select_layers<float>(const Options&, const st::file&);
+extern template std::vector<kvevict::Selection> select_layers<double>(const Options&, const st::file&);
+#endif
+
 /// select_layers() at the options' precision.
 inline std::vector<kvevict::Selection> select_layers(const Options& opt, const st::file& in) {
   return opt.precision == "f64" ? select_layers<double>(opt, in) : select_layers<float>(opt, in);

@@ -186,15 +186,16 @@ class Engine {
   }
 
   /// Compresses every layer with `policy` (anything with `Selection select(const LayerInputs<float>&, const
-  /// Budget&) const`, e.g. kvevict::SnapKV, kvevict::AdaKV, kvevict::StreamingLLM): one select() and one
-  /// compaction per layer, right after the prefill.
+  /// Budget&, Index layer, Index layers) const`, e.g. kvevict::SnapKV, kvevict::AdaKV, kvevict::StreamingLLM): one
+  /// select() and one compaction per layer, right after the prefill.
   template <class Policy>
   EvictionStats compress(const Policy& policy, const kvevict::Budget& budget) {
     using clock = std::chrono::steady_clock;
     EvictionStats stats;
     for (Index l = 0; l < model_->config.n_layer; ++l) {
       const auto t0 = clock::now();
-      const kvevict::Selection selection = policy.select(eviction_inputs(l, window_of(policy)), budget);
+      const kvevict::Selection selection =
+          policy.select(eviction_inputs(l, window_of(policy)), budget, l, model_->config.n_layer);
       const auto t1 = clock::now();
       evict(l, selection);
       const auto t2 = clock::now();

@@ -2,15 +2,14 @@
 /// kvevict: KV-cache eviction policies for LLM inference, header-only, C++17, over Eigen.
 ///
 /// The engine API: inputs and views (LayerInputs, HeadsView, KVView, output_projection, OutputGram), budgets
-/// (Budget), the presets (SnapKV, AdaKV, CriticalKV, CriticalSnapKV, DefensiveKV, LayerDefensiveKV,
-/// AdaKVDefensive, StreamingLLM), compositions (Policy<Base, Selector>, LayerGlobalPolicy<Selector>), the
-/// catalogue (catalogue::visit, Knobs, select_layers), the result (Selection) and errors (invalid_argument);
-/// ragged caches with original positions (LayerInputs::lengths/positions) and eviction while the cache grows
-/// (CacheBook, evict_over_budget); selections shared across heads or layers and made of blocks (LayoutParams:
-/// share, reduce, block; Selection::blocks, compaction_plan) and RoPE re-rotation of kept keys (rerotate); int8
-/// and fp8 caches with their scales (float8_e4m3, float8_e5m2, KVScale).
-/// Writing a new selector or allocation: <kvevict/extend.hpp> and docs/extending.md.
-/// Semantics of every stage: docs/algorithms.md.
+/// (Budget), the presets (SnapKV, AdaKV, PyramidKV, CriticalKV, CriticalSnapKV, DefensiveKV, LayerDefensiveKV,
+/// AdaKVDefensive, TOVA, KNorm, KeyDiff, StreamingLLM), compositions (Policy<Base, Selector>,
+/// LayerGlobalPolicy<Selector>), the catalogue (catalogue::visit, Knobs, select_layers), the result (Selection) and
+/// errors (invalid_argument); ragged caches with original positions (LayerInputs::lengths/positions) and eviction while
+/// the cache grows (CacheBook, evict_over_budget); selections shared across heads or layers and made of blocks
+/// (LayoutParams: share, reduce, block; Selection::blocks, compaction_plan) and RoPE re-rotation of kept keys
+/// (rerotate); int8 and fp8 caches with their scales (float8_e4m3, float8_e5m2, KVScale). Writing a new selector or
+/// allocation: <kvevict/extend.hpp> and docs/extending.md. Semantics of every stage: docs/algorithms.md.
 
 #include "kvevict/core/budget.hpp"
 #include "kvevict/core/error.hpp"

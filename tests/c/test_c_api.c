@@ -212,7 +212,10 @@ static kvevict_selection* select_ok(const kvevict_policy* p, kvevict_budget b, c
 
 /* ---- the catalogue on every dtype --------------------------------------------------------------------------- */
 
-static int is_layer_global(const char* name) { return strncmp(name, "layer", 5) == 0; }
+/* policies whose budget is the model's: layer-global ones, and pyramidkv (each layer's share of it) */
+static int is_layer_global(const char* name) {
+  return strncmp(name, "layer", 5) == 0 || strcmp(name, "pyramidkv") == 0;
+}
 
 static void test_every_policy(void) {
   static Data a, b;
@@ -272,7 +275,7 @@ static void test_every_policy(void) {
       CHECK(kvevict_selection_block_offsets(one, 0) == kvevict_selection_offsets(one, 0));
     }
 
-    /* f32, two layers: layer-global policies share one budget across them, the others select each alone */
+    /* f32, two layers: model-budget policies share one budget across them, the others select each alone */
     two = select_ok(p, kvevict_tokens(BUDGET), layers, 2, __LINE__);
     if (two) {
       const int64_t t0 = check_structure(two, 0, NULL, NULL, __LINE__),

@@ -834,6 +834,30 @@ inline std::vector<KeptRows> select(Method m, const std::vector<ragged::Layer>& 
   return select_maps(method_maps(m, layers, n_kept, p), n_kept, ap, layout);
 }
 
+// PyramidKV's per-layer n_kept before the cap by what a layer holds (docs/algorithms.md 2.5, "Pyramid"), written
+// from the text: the line from hi down to lo, each layer's floor, then one more token to the R layers of largest
+// fractional part (a stable sort keeps the shallower first on ties); the window on top.
+inline std::vector<std::int64_t> pyramid_shares(double beta, std::int64_t n, std::int64_t w, std::int64_t N) {
+  const std::int64_t p = n - w;
+  if (N == 1 || p <= 0) return std::vector<std::int64_t>(detail::sz(N), n);
+  const double lo = static_cast<double>(p) / beta, hi = 2.0 * static_cast<double>(p) - lo;
+  std::vector<double> t;
+  for (std::int64_t l = 0; l < N; ++l)
+    t.push_back(hi - static_cast<double>(l) * ((hi - lo) / static_cast<double>(N - 1)));
+  std::vector<std::int64_t> out;
+  std::int64_t given = 0;
+  for (double x : t) {
+    out.push_back(w + static_cast<std::int64_t>(std::floor(x)));
+    given += static_cast<std::int64_t>(std::floor(x));
+  }
+  std::vector<std::size_t> order(t.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t b) { return t[a] - std::floor(t[a]) > t[b] - std::floor(t[b]); });
+  for (std::int64_t r = 0; r < N * p - given; ++r) ++out[order[detail::sz(r)]];
+  return out;
+}
+
 }  // namespace layout
 }  // namespace kvevict_ref
 

@@ -18,18 +18,34 @@ struct LayerBudget {
   Index total = 0;
   Index window = 0;
   double compression_ratio = std::numeric_limits<double>::quiet_NaN();
-  /// True when one top-k over all layers allocates (LayerGlobalPolicy), so scores are compared across layers.
+  /// True when the budget is the model's: one top-k over all layers allocates (LayerGlobalPolicy), or the allocation
+  /// schedules each layer's share (PyramidAllocation).
   bool shared_across_layers = false;
+  /// Where the layer sits in the model when the caller says so (select(in, budget, layer, layers), select_layers,
+  /// plan(budget, layers)): layer in [0, layers); -1 and 0 when unknown. A scheduled allocation (PyramidAllocation)
+  /// needs both.
+  Index layer = -1;
+  Index layers = 0;
+  /// The layout's block size (LayoutParams::block): budgets are kept in whole blocks of it.
+  Index block = 1;
+};
+
+/// The place of one layer in its model, as a select() call gives it (unknown parts -1 and 0).
+struct LayerPlace {
+  Index layer = -1;
+  Index layers = 0;
 };
 
 /// The budget of one layer of `shape`: n_kept from `budget` (throws unless 1 <= n_kept <= L; on a ragged layer,
 /// resolved against the mean entries per head, docs/algorithms.md section 6), total Hkv * n_kept. With
-/// `shared_across_layers` (a layer-global plan) a token budget is not bounded by the layer: the plan checks that the
-/// model total fits the model's entries, so a layer may hold less than its share (section 7).
+/// `shared_across_layers` (a layer-global plan, a scheduled allocation) a token budget is not bounded by the layer: a
+/// layer may hold less than its share (section 7).
 inline LayerBudget layer_budget(const LayerShape& shape, const Budget& budget, const char* where = "select",
-                                bool shared_across_layers = false) {
+                                bool shared_across_layers = false, LayerPlace place = {}) {
   LayerBudget b;
   b.shared_across_layers = shared_across_layers;
+  b.layer = place.layer;
+  b.layers = place.layers;
   if (shared_across_layers && budget.kind() == Budget::Kind::tokens)
     b.n_kept = static_cast<std::int64_t>(budget.value());
   else if (shape.ragged())

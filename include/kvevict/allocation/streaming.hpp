@@ -65,6 +65,11 @@ class StreamingLLM {
     const std::string where = "StreamingLLM::select (layer " + std::to_string(layer) + ")";
     return select(detail::read_entries(in, where.c_str()), budget, where.c_str());
   }
+  /// The same for layer `layer` of `layers` (the scored policies' signature; every layer keeps n_kept).
+  template <class S = float, class KV, class Q, class W>
+  Selection select(const LayerInputs<KV, Q, W>& in, const Budget& budget, Index layer, Index /*layers*/) const {
+    return select<S>(in, budget, layer);
+  }
   /// Every layer at once (any `share`; per_model needs it): one Selection per layer.
   template <class S = float, class KV, class Q, class W>
   std::vector<Selection> select(const std::vector<LayerInputs<KV, Q, W>>& layers, const Budget& budget) const {

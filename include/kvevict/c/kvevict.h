@@ -108,7 +108,7 @@ KVEVICT_C_API const char* kvevict_policy_name(size_t i);
 /* Creates a policy. `name` is a catalogue name, or NULL with the option "base" or "selector" or both (a composed
  * policy; the one not given defaults to snapkv / attention). Options are name/value pairs with kvevict-select's names,
  * '-' or '_' alike
- * ("window", "pool", "kernel", "alpha", "adakv-variant", "sinks", "precision", "reference-quirks", "share",
+ * ("window", "pool", "kernel", "alpha", "adakv-variant", "beta", "sinks", "precision", "reference-quirks", "share",
  * "reduce", "block", "eps", "first-stage-ratio", "value-norm", "mass-threshold", "no-floor", "base", "selector");
  * the flags reference-quirks and no-floor take "1"/"true" or "0"/"false". `option_values` may be NULL when
  * n_options is 0. Without "window" the window is the rows of each layer's q_window / window_attention. */

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kvevict/allocation/head_adaptive.hpp"
+#include "kvevict/allocation/pyramid.hpp"
 #include "kvevict/allocation/streaming.hpp"
 #include "kvevict/policy/contracts.hpp"
 #include "kvevict/policy/presets.hpp"
@@ -37,6 +38,7 @@ struct Knobs {
   std::optional<Reduce> reduce;                                  // LayoutParams
   std::optional<Index> block;                                    // LayoutParams
   std::optional<double> alpha;                                   // HeadAdaptiveAllocation
+  std::optional<double> beta;                                    // PyramidAllocation
   std::optional<HeadAdaptiveAllocation::Variant> adakv_variant;  // HeadAdaptiveAllocation::Params::variant
   std::optional<Index> sinks;                                    // StreamingLLM
   std::optional<double> eps, first_stage_ratio;                  // CriticalSelector
@@ -64,6 +66,8 @@ void for_each_knob(K& k, F&& f) {
     f("alpha", k.alpha, &HeadAdaptiveAllocation::Params::alpha);
     f("adakv_variant", k.adakv_variant, &HeadAdaptiveAllocation::Params::variant);
   }
+  if constexpr (std::is_base_of_v<PyramidAllocation::Params, Params>)
+    f("beta", k.beta, &PyramidAllocation::Params::beta);
   if constexpr (std::is_base_of_v<StreamingLLM::Params, Params>) f("sinks", k.sinks, &StreamingLLM::Params::sinks);
   if constexpr (std::is_base_of_v<CriticalSelector::Params, Params>) {
     f("eps", k.eps, &CriticalSelector::Params::eps);
@@ -108,7 +112,9 @@ constexpr BudgetScope budget_scope() {
   if constexpr (detail::is_layer_global<P>::value)
     return BudgetScope::model;
   else if constexpr (detail::is_layer_policy<P>::value)
-    return std::is_same_v<typename P::Allocation, UniformAllocation> ? BudgetScope::head : BudgetScope::layer;
+    return detail::is_scheduled<P>::value                              ? BudgetScope::model
+           : std::is_same_v<typename P::Allocation, UniformAllocation> ? BudgetScope::head
+                                                                       : BudgetScope::layer;
   else
     return BudgetScope::head;  // StreamingLLM
 }
@@ -125,7 +131,8 @@ std::vector<Selection> select_layers(const P& policy, const std::vector<LayerInp
     std::vector<Selection> out;
     out.reserve(layers.size());
     for (std::size_t l = 0; l < layers.size(); ++l)
-      out.push_back(policy.template select<S>(layers[l], budget, static_cast<Index>(l)));
+      out.push_back(
+          policy.template select<S>(layers[l], budget, static_cast<Index>(l), static_cast<Index>(layers.size())));
     return out;
   }
 }
@@ -166,7 +173,8 @@ inline auto entries() {
       Entry<TOVA>{"tova",
                   "the last query's attention, mean over the layer's heads; one set per layer (arXiv 2401.06104)"},
       Entry<KNorm>{"knorm", "keys of lowest L2 norm; reads keys only (arXiv 2406.11430)"},
-      Entry<KeyDiff>{"keydiff", "keys least similar to the head's mean key direction; keys only (arXiv 2504.18838)"});
+      Entry<KeyDiff>{"keydiff", "keys least similar to the head's mean key direction; keys only (arXiv 2504.18838)"},
+      Entry<PyramidKV>{"pyramidkv", "SnapKV scores, per-layer budgets decreasing with depth (arXiv 2406.02069)"});
 }
 
 /// The bases of a composition Policy<Base, Selector> (their allocation and its defaults) and the selectors.
@@ -174,7 +182,8 @@ inline auto bases() {
   return std::make_tuple(Entry<SnapKV>{"snapkv", "uniform allocation"},
                          Entry<AdaKV>{"adakv", "head-adaptive allocation, safeguard alpha = 0.2"},
                          Entry<DefensiveKV>{"defensivekv", "flat top-k over the layer (alpha = 0)"},
-                         Entry<LayerDefensiveKV>{"layer", "one top-k across layers"});
+                         Entry<LayerDefensiveKV>{"layer", "one top-k across layers"},
+                         Entry<PyramidKV>{"pyramidkv", "per-layer budgets on a decreasing line (beta = 20)"});
 }
 template <class S>
 struct SelectorEntry {

@@ -54,6 +54,23 @@ struct is_allocation<
                                                                     std::declval<const extend::LayerBudget&>())),
                          std::vector<Index>>> {};
 
+/// An Allocation that gives each layer its own share of the model's budget (PyramidAllocation) declares
+///   void schedule(LayerBudget& budget, const LayerShape& shape, const char* where) const;
+/// The policy calls it on each layer's budget before scoring, with LayerBudget::layer and layers set from the call;
+/// such a policy guarantees the model total (BudgetScope::model) and selects no layer without its place.
+template <class T, class = void>
+struct schedules_budget : std::false_type {};
+template <class T>
+struct schedules_budget<T, std::void_t<decltype(std::declval<const T&>().schedule(
+                               std::declval<extend::LayerBudget&>(), std::declval<const extend::LayerShape&>(), ""))>>
+    : std::true_type {};
+
+/// A policy whose allocation is scheduled (PyramidKV): false for policies without an Allocation.
+template <class P, class = void>
+struct is_scheduled : std::false_type {};
+template <class P>
+struct is_scheduled<P, std::void_t<typename P::Allocation>> : schedules_budget<typename P::Allocation> {};
+
 /// A Selector (selectors/selector.hpp documents each member); score<S>() must return Layer<S>.
 template <class T, class = void>
 struct is_selector : std::false_type {};

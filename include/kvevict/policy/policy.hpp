@@ -20,7 +20,8 @@ namespace kvevict {
 
 /// A per-layer eviction policy. Immutable after construction; select() is const and may be called from several
 /// threads at once.
-///   Base:     an allocation (UniformAllocation, HeadAdaptiveAllocation) or any scored preset whose allocation to
+///   Base:     an allocation (UniformAllocation, HeadAdaptiveAllocation, PyramidAllocation) or any scored preset whose
+///   allocation to
 ///             reuse, with that preset's allocation defaults: Policy<DefensiveKV, CriticalSelector> allocates as
 ///             DefensiveKV (flat top-k, alpha = 0) and scores as CriticalKV. A layer-global preset as Base gives
 ///             the layer-global policy of the selector (the specialisation below).
@@ -29,8 +30,10 @@ template <class Base, class Selector = AttentionSelector, class = void>
 class Policy {
   static_assert(detail::base_traits<Base>::valid,
                 "kvevict::Policy<Base, Selector>: Base must be an allocation (UniformAllocation, "
-                "HeadAdaptiveAllocation, or a type meeting the Allocation contract of docs/extending.md) or a scored "
-                "preset (SnapKV, AdaKV, CriticalKV, CriticalSnapKV, DefensiveKV, AdaKVDefensive, LayerDefensiveKV); "
+                "HeadAdaptiveAllocation, PyramidAllocation, or a type meeting the Allocation contract of "
+                "docs/extending.md) or a scored "
+                "preset (SnapKV, AdaKV, PyramidKV, CriticalKV, CriticalSnapKV, DefensiveKV, AdaKVDefensive, "
+                "LayerDefensiveKV, TOVA, KNorm, KeyDiff); "
                 "StreamingLLM is positional and has no allocation to reuse");
   static_assert(detail::is_selector<Selector>::value,
                 "kvevict::Policy<Base, Selector>: Selector must meet the Selector contract (Params, Layer<S>, "
@@ -81,7 +84,15 @@ class Policy {
   /// The same for layer `layer` of a model: error messages start with "kvevict::<name>::select (layer <i>): ".
   template <class S = float, class KV, class Q, class W>
   Selection select(const LayerInputs<KV, Q, W>& in, const Budget& budget, Index layer) const {
-    return select_one<S>(in, budget, name_ + "::select (layer " + std::to_string(layer) + ")");
+    return select_one<S>(in, budget, name_ + "::select (layer " + std::to_string(layer) + ")", {layer, 0});
+  }
+  /// The same for layer `layer` of a model of `layers` layers: what a scheduled allocation (PyramidKV) needs.
+  template <class S = float, class KV, class Q, class W>
+  Selection select(const LayerInputs<KV, Q, W>& in, const Budget& budget, Index layer, Index layers) const {
+    const std::string where = name_ + "::select (layer " + std::to_string(layer) + ")";
+    detail::require(layers >= 1 && layer >= 0 && layer < layers, where.c_str(), "layer must be in [0, ", layers,
+                    ") (the model's layers), got ", layer);
+    return select_one<S>(in, budget, where, {layer, layers});
   }
 
  private:
@@ -103,17 +114,27 @@ class Policy {
   template <class S>
   class Plan {
    public:
-    Plan(const Policy& policy, const Budget& budget) : policy_(policy), budget_(budget) {}
+    /// `layers`: the model's layer count when known (0: not given; a scheduled allocation needs it).
+    Plan(const Policy& policy, const Budget& budget, Index layers = 0)
+        : policy_(policy), budget_(budget), model_layers_(layers) {
+      detail::require(layers >= 0, (policy_.name_ + "::plan").c_str(), "layers must be >= 0, got ", layers);
+    }
     /// Scores the next layer (in model order); errors start with "kvevict::<name>::add (layer <i>): ".
     template <class KV, class Q, class W>
     void add(const LayerInputs<KV, Q, W>& in) {
-      layers_.push_back(policy_.template score_layer<S>(
-          in, budget_, policy_.name_ + "::add (layer " + std::to_string(layers_.size()) + ")"));
+      const auto layer = static_cast<Index>(layers_.size());
+      const std::string where = policy_.name_ + "::add (layer " + std::to_string(layer) + ")";
+      detail::require(model_layers_ == 0 || layer < model_layers_, where.c_str(), "the plan was made for ",
+                      model_layers_, " layers");
+      layers_.push_back(policy_.template score_layer<S>(in, budget_, where, {layer, model_layers_}));
       layers_.back().shape.positions = PositionsView();  // the engine's view may not outlive add(): the map has a copy
     }
     /// One Selection per added layer.
     std::vector<Selection> apply() {
-      detail::require(!layers_.empty(), (policy_.name_ + "::apply").c_str(), "no layer was added");
+      const std::string where = policy_.name_ + "::apply";
+      detail::require(!layers_.empty(), where.c_str(), "no layer was added");
+      detail::require(model_layers_ == 0 || static_cast<Index>(layers_.size()) == model_layers_, where.c_str(),
+                      "the plan was made for ", model_layers_, " layers, ", layers_.size(), " were added");
       for (auto& l : layers_) l.restore_positions();
       if (policy_.params_.share == Sharing::per_model) return policy_.select_model(layers_);
       std::vector<Selection> out;
@@ -124,40 +145,44 @@ class Policy {
    private:
     Policy policy_;
     Budget budget_;
+    Index model_layers_;
     std::vector<Scored<S>> layers_;
   };
 
-  /// A plan for one model: add() every layer in order, then apply(). S is the arithmetic type.
+  /// A plan for one model: add() every layer in order, then apply(). S is the arithmetic type. `layers`, the
+  /// model's layer count, is needed by a scheduled allocation (PyramidKV); apply() then checks that many were added.
   template <class S = float>
-  Plan<S> plan(const Budget& budget) const {
-    return Plan<S>(*this, budget);
+  Plan<S> plan(const Budget& budget, Index layers = 0) const {
+    return Plan<S>(*this, budget, layers);
   }
 
   /// All layers at once (any `share`): one Selection per layer.
   template <class S = float, class KV, class Q, class W>
   std::vector<Selection> select(const std::vector<LayerInputs<KV, Q, W>>& layers, const Budget& budget) const {
-    Plan<S> p(*this, budget);
+    Plan<S> p(*this, budget, static_cast<Index>(layers.size()));
     for (const auto& in : layers) p.add(in);
     return p.apply();
   }
 
  private:
   template <class S, class KV, class Q, class W>
-  Selection select_one(const LayerInputs<KV, Q, W>& in, const Budget& budget, const std::string& where) const {
+  Selection select_one(const LayerInputs<KV, Q, W>& in, const Budget& budget, const std::string& where,
+                       extend::LayerPlace place = {}) const {
     detail::require(params_.share != Sharing::per_model, where.c_str(),
                     "share = per_model selects every layer at once: use select(layers, budget) or plan()");
     if constexpr (detail::refines_bounds<SelectorType>::value) {
-      if (params_.per_head_tokens()) return select_refined<S>(in, budget, where);
+      if (params_.per_head_tokens()) return select_refined<S>(in, budget, where, place);
     }
-    Scored<S> scored = score_layer<S>(in, budget, where);
+    Scored<S> scored = score_layer<S>(in, budget, where, place);
     return select_scored(scored);
   }
 
   /// select_scored's per-head path over a layer scored with upper bounds (the selector's score_bounded): allocate
   /// and select on a copy, let the selector compute what that selection kept at a bound, again until it kept none.
   template <class S, class KV, class Q, class W>
-  Selection select_refined(const LayerInputs<KV, Q, W>& in, const Budget& budget, const std::string& where) const {
-    Scored<S> s = score_layer<S>(in, budget, where, true);
+  Selection select_refined(const LayerInputs<KV, Q, W>& in, const Budget& budget, const std::string& where,
+                           extend::LayerPlace place) const {
+    Scored<S> s = score_layer<S>(in, budget, where, place, true);
     extend::KeepFlags keep;
     for (;;) {
       typename SelectorType::template Layer<S> trial = s.layer;  // the allocation may promote entries of its map
@@ -169,11 +194,16 @@ class Policy {
 
   template <class S, class KV, class Q, class W>
   Scored<S> score_layer(const LayerInputs<KV, Q, W>& in, const Budget& budget, const std::string& where,
-                        bool bounded = false) const {
+                        extend::LayerPlace place, bool bounded = false) const {
     const extend::LayerShape shape = detail::validate_inputs(in, params_.window, where.c_str(), reads_observation());
     detail::require_dense_for_quirks(shape, params_.reference_quirks, where.c_str());
-    extend::LayerBudget layer = extend::layer_budget(shape, budget, where.c_str());
+    extend::LayerBudget layer =
+        extend::layer_budget(shape, budget, where.c_str(), scheduled() && params_.share != Sharing::per_model, place);
+    layer.block = params_.block;
     selector_.adjust_budget(layer, shape, params_, where.c_str());
+    if constexpr (scheduled()) {  // the layer's share (per_model: one set of n_kept)
+      if (params_.share != Sharing::per_model) allocation_.schedule(layer, shape, where.c_str());
+    }
     const auto& common = static_cast<const CommonParams&>(params_);
     (void)bounded;  // only selectors with score_bounded read it
     auto scored = [&] {
@@ -237,6 +267,9 @@ class Policy {
     selector_.select(units, budgets, keep);
     return units.allocation.tokens;
   }
+
+  /// Whether the allocation gives each layer its share of the model's budget (PyramidAllocation).
+  static constexpr bool scheduled() { return detail::schedules_budget<Allocation>::value; }
 
   static typename Allocation::Params allocation_defaults() {
     if constexpr (detail::base_traits<Base>::valid)

@@ -3,6 +3,7 @@
 /// class so that its name appears in error messages and its defaults carry over when it serves as a base.
 
 #include "kvevict/allocation/head_adaptive.hpp"
+#include "kvevict/allocation/pyramid.hpp"
 #include "kvevict/allocation/streaming.hpp"
 #include "kvevict/allocation/uniform.hpp"
 #include "kvevict/policy/layer_global_policy.hpp"
@@ -30,6 +31,15 @@ class AdaKV : public Policy<HeadAdaptiveAllocation, AttentionSelector> {
  public:
   static constexpr const char* type_name = "AdaKV";
   explicit AdaKV(const Params& p = Params{}) : Policy(p, type_name) {}
+};
+
+/// PyramidKV (arXiv 2406.02069): SnapKV's scores and window; layer l of N keeps a share of the model budget on a
+/// line that decreases with depth (beta = 20: the last layer's prefix share is 1/20 of the mean), the same number in
+/// every KV head of a layer. Needs each layer's place: select(in, budget, layer, layers), select_layers or plan.
+class PyramidKV : public Policy<PyramidAllocation, AttentionSelector> {
+ public:
+  static constexpr const char* type_name = "PyramidKV";
+  explicit PyramidKV(const Params& p = Params{}) : Policy(p, type_name) {}
 };
 
 /// CriticalKV (arXiv 2502.03805, ICML 2026), the published configuration (kvpress CriticalAdaKVPress): AdaKV's

@@ -32,10 +32,13 @@ template <class P>
 struct has_plan<P, std::void_t<decltype(std::declval<const P&>().template plan<float>(Budget::tokens(1)))>>
     : std::true_type {};
 
-/// Whether P selects every layer at once: a layer-global policy, or any policy with share = per_model.
+/// Whether P selects every layer at once: a layer-global policy, a scheduled allocation (PyramidKV: each layer's
+/// share of the model budget), or any policy with share = per_model.
 template <class P>
 bool selects_model(const P& policy) {
   if constexpr (is_layer_global<P>::value)
+    return true;
+  else if constexpr (is_scheduled<P>::value)
     return true;
   else
     return policy.params().share == Sharing::per_model;
@@ -70,7 +73,12 @@ Index evict_over_budget(const P& policy, CacheBook& book, Index n, Inputs&& inpu
   std::vector<Selection> selections;
   if (model_wide) {
     if constexpr (detail::has_plan<P>::value) {
-      auto plan = policy.template plan<S>(budget);
+      auto plan = [&] {
+        if constexpr (detail::is_layer_policy<P>::value)
+          return policy.template plan<S>(budget, book.layers());  // every layer is due: the plan's order is the model's
+        else
+          return policy.template plan<S>(budget);
+      }();
       for (Index l : due) plan.add(book.layer(l).describe(inputs_of(l)));
       selections = plan.apply();
     } else {
