@@ -20,11 +20,10 @@ namespace kvevict {
 
 /// A per-layer eviction policy. Immutable after construction; select() is const and may be called from several
 /// threads at once.
-///   Base:     an allocation (UniformAllocation, HeadAdaptiveAllocation, PyramidAllocation) or any scored preset whose
-///   allocation to
-///             reuse, with that preset's allocation defaults: Policy<DefensiveKV, CriticalSelector> allocates as
-///             DefensiveKV (flat top-k, alpha = 0) and scores as CriticalKV. A layer-global preset as Base gives
-///             the layer-global policy of the selector (the specialisation below).
+///   Base:     an allocation (UniformAllocation, HeadAdaptiveAllocation, PyramidAllocation) or any scored preset
+///             whose allocation to reuse, with that preset's allocation defaults: Policy<DefensiveKV,
+///             CriticalSelector> allocates as DefensiveKV (flat top-k, alpha = 0) and scores as CriticalKV. A
+///             layer-global preset as Base gives the layer-global policy of the selector (the specialisation below).
 ///   Selector: AttentionSelector (default), CriticalSelector, DefensiveSelector, or your own (docs/extending.md).
 template <class Base, class Selector = AttentionSelector, class = void>
 class Policy {
