@@ -317,12 +317,13 @@ void register_all() {
   for (const Model* m : {&kLlama8B, &kQwen32B}) {
     const std::string model = m->name;
     const Model mm = *m;
-    // Every catalogue policy on f32. Value-aware ones: the Gram (L2) form at every context, with and without the
-    // engine's precomputed Gram, and the papers' L1 form up to 32k (O(H L d D): ~10 s per layer at 32k).
+    // Every catalogue policy on f32. Value-aware ones with a value_norm: the Gram (L2) form at every context, with and
+    // without the engine's precomputed Gram, and the papers' L1 form up to 32k (O(H L d D): ~10 s per layer at 32k).
     kvevict::catalogue::for_each(kvevict::catalogue::entries(), [&](const auto& entry) {
       const std::string name(entry.name);
-      if (!entry.make().reads_values()) {
-        register_policy<float>(name, mm, entry.make(), 65536);
+      const std::vector<std::string> knobs = entry.knobs();
+      if (!entry.make().reads_values() || std::find(knobs.begin(), knobs.end(), "value_norm") == knobs.end()) {
+        register_policy<float>(name, mm, entry.make(), 65536);  // Expected Attention's ||v||_2 has no L1/L2 form
         return;
       }
       register_policy<float>(name + "-l2", mm, entry.make(l2), 65536);

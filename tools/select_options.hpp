@@ -31,6 +31,7 @@ struct Options {
   std::string precision = "f32";
   bool reads_observation = true;  // what the policy reads (LayerInputs::queries or attention; values and w_o)
   bool reads_values = false;
+  bool reads_queries = false;    // the observation must be LayerInputs::queries (attention rows will not do)
   kvevict::LayoutParams layout;  // the policy's layout: the options given over the preset's (TOVA: per_layer, mean)
 
   /// B of --block (1 unless given): > 1 selects whole blocks, and the output lists their ids (kept_blocks).
@@ -91,7 +92,12 @@ inline std::string usage_text() {
          "  --adakv-variant kvpress|original   AdaKV allocation (default kvpress)\n"
          "  --beta B                  PyramidKV steepness >= 1: the last layer's prefix share is 1/B of the mean\n"
          "                            (default 20)\n"
-         "  --sinks N                 StreamingLLM sink tokens (default 4)\n"
+         "  --sinks N                 StreamingLLM and Expected Attention sink tokens (default 4)\n"
+         "  --rope-theta T            Expected Attention: the model's RoPE base (default 10000)\n"
+         "  --rotary-dim R            Expected Attention: rotated dimensions, even (default 0: all head_dim)\n"
+         "  --rope-layout half|interleaved   Expected Attention: RoPE pairing (default half, rotate_half)\n"
+         "  --future-positions F      Expected Attention: next positions RoPE is averaged over (default 512)\n"
+         "  --no-covariance           Expected Attention: the query mean alone (ablation)\n"
          "  --precision f32|f64       arithmetic precision (default f32)\n"
          "  --reference-quirks        reproduce the reference code's quirks (needs --compression-ratio for defensive)\n"
          "  --share head|layer|model  KV heads keeping one common set: each head, a layer's heads, every head of\n"
@@ -165,7 +171,7 @@ class OptionSet {
   /// Whether the option takes no value on the command line (the APIs give it a boolean: "1"/"true", "0"/"false").
   static bool is_flag(const std::string& name) {
     const std::string n = canonical(name);
-    return n == "reference-quirks" || n == "no-floor";
+    return n == "reference-quirks" || n == "no-floor" || n == "no-covariance";
   }
 
   /// Whether `name` is an option (in either spelling).
@@ -228,6 +234,23 @@ class OptionSet {
       const Index sinks = parse_int(flag, v);
       o.knobs.sinks = sinks;
       if (sinks < 0) throw usage_error(flag + " must be >= 0, got " + v);
+    } else if (a == "rope-theta") {
+      const double theta = parse_double(flag, v);
+      o.knobs.rope_theta = theta;
+      if (!(theta > 0.0)) throw usage_error(flag + " must be > 0, got " + v);
+    } else if (a == "rotary-dim") {
+      const Index rotary_dim = parse_int(flag, v);
+      o.knobs.rotary_dim = rotary_dim;
+      if (rotary_dim < 0 || rotary_dim % 2 != 0) throw usage_error(flag + " must be even and >= 0, got " + v);
+    } else if (a == "rope-layout") {
+      if (v != "half" && v != "interleaved") throw usage_error(flag + " must be half or interleaved, got '" + v + "'");
+      o.knobs.rope_layout = v == "half" ? kvevict::RopeLayout::half : kvevict::RopeLayout::interleaved;
+    } else if (a == "future-positions") {
+      const Index future = parse_int(flag, v);
+      o.knobs.future_positions = future;
+      if (future < 1) throw usage_error(flag + " must be >= 1, got " + v);
+    } else if (a == "no-covariance") {
+      if (parse_bool(flag, v)) o.knobs.covariance = false;
     } else if (a == "precision") {
       if (v != "f32" && v != "f64") throw usage_error(flag + " must be f32 or f64, got '" + v + "'");
       o.precision = v;
@@ -302,6 +325,7 @@ class OptionSet {
       const auto made = entry.make(o.knobs);
       o.reads_observation = made.reads_observation();
       o.reads_values = made.reads_values();
+      o.reads_queries = made.reads_queries();
       o.layout = static_cast<const kvevict::LayoutParams&>(made.params());
     });
     return o;
@@ -334,6 +358,11 @@ class OptionSet {
                                                  "adakv-variant",
                                                  "beta",
                                                  "sinks",
+                                                 "rope-theta",
+                                                 "rotary-dim",
+                                                 "rope-layout",
+                                                 "future-positions",
+                                                 "no-covariance",
                                                  "precision",
                                                  "reference-quirks",
                                                  "share",

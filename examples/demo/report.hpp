@@ -163,8 +163,10 @@ inline void print_table(std::FILE* out, const std::vector<Record>& records) {
         out, "layout: %s\n",
         describe_layout(records.front().share, records.front().block, records.front().reduce, records.front().renumber)
             .c_str());
-  std::fprintf(out, "%-17s %5s %6s %8s %8s %8s %8s %9s %10s %7s  %s\n", "policy", "keep", "n_kept", "loss", "vs full",
-               "ident", "assert", "select ms", "prefill ms", "sel/pf", "kept/head mean [min, max]");
+  int name_width = 17;  // the longest policy name (ablations and compositions run longer), columns aligned
+  for (const Record& r : records) name_width = std::max(name_width, static_cast<int>(r.policy.size()));
+  std::fprintf(out, "%-*s %5s %6s %8s %8s %8s %8s %9s %10s %7s  %s\n", name_width, "policy", "keep", "n_kept", "loss",
+               "vs full", "ident", "assert", "select ms", "prefill ms", "sel/pf", "kept/head mean [min, max]");
   for (const Record& r : records) {
     char ident[32], asrt[32], vs[32], kept[64];
     std::snprintf(ident, sizeof ident, "%d/%d", r.ident_solved, r.ident_total);
@@ -176,7 +178,7 @@ inline void print_table(std::FILE* out, const std::vector<Record>& records) {
       std::snprintf(prefill, sizeof prefill, "%.1f", r.prefill_ms);
       std::snprintf(share, sizeof share, "%.2f%%", r.select_ms / r.prefill_ms * 100.0);
     }
-    std::fprintf(out, "%-17s %5s %6ld %8.4f %8s %8s %8s %9.2f %10s %7s  %s\n", r.policy.c_str(),
+    std::fprintf(out, "%-*s %5s %6ld %8.4f %8s %8s %8s %9.2f %10s %7s  %s\n", name_width, r.policy.c_str(),
                  percent(r.keep).c_str(), r.n_kept, r.loss, vs, ident, asrt, r.select_ms, prefill, share, kept);
   }
 }

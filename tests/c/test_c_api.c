@@ -255,7 +255,10 @@ static void test_every_policy(void) {
           (strcmp(name, "streamingllm") == 0 || strcmp(name, "knorm") == 0 || strcmp(name, "keydiff") == 0
                ? 0
                : KVEVICT_READS_OBSERVATION));
-    CHECK(((reads & KVEVICT_READS_VALUES) != 0) == (strncmp(name, "critical", 8) == 0 || strstr(name, "defensivekv")));
+    CHECK(((reads & KVEVICT_READS_VALUES) != 0) == (strncmp(name, "critical", 8) == 0 || strstr(name, "defensivekv") ||
+                                                    strcmp(name, "expected-attention") == 0));
+    /* Expected Attention takes the window queries' statistics: window_attention will not do */
+    CHECK(((reads & KVEVICT_READS_QUERIES) != 0) == (strcmp(name, "expected-attention") == 0));
     layers[0] = layer_of(&a);
     layers[1] = layer_of(&b);
 

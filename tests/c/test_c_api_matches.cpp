@@ -576,8 +576,10 @@ int check_layers(const Spec& s) {
     std::string error;
     kvevict_policy* policy = c_policy(p, options, error);
     Outcome c;
+    bool needs_queries = false;
     if (policy) {
       CHECK(std::string(kvevict_policy_get_name(policy)) == p.name);
+      needs_queries = (kvevict_policy_reads(policy) & KVEVICT_READS_QUERIES) != 0;
       c = c_select(policy, layers, s.budget);
       kvevict_policy_free(policy);
     } else {
@@ -594,10 +596,14 @@ int check_layers(const Spec& s) {
     } else if (!c.ok && !want.ok) {
       CHECK(c.error == want.error);
     }
-    // TOVA shares one set per layer by default, which heads at their own positions refuse (the same refusal in both
-    // APIs, checked above); every other policy must select.
+    // TOVA shares one set per layer by default, which heads at their own positions refuse, and Expected Attention
+    // needs q_window, not attention rows (the same refusals in both APIs, checked above); every other policy must
+    // select.
     const bool own_positions = s.ragged || s.positions != Positions::none;
-    if (!s.errors_allowed && !(p.name == "tova" && own_positions)) CHECK(c.ok);
+    if (s.attention && needs_queries)
+      CHECK_FALSE(c.ok);
+    else if (!s.errors_allowed && !(p.name == "tova" && own_positions))
+      CHECK(c.ok);
   }
   return selected;
 }
@@ -636,16 +642,18 @@ TEST_CASE("matches: the catalogue names are the C++ catalogue's", "[c_api]") {
     std::string error;
     kvevict_policy* policy = c_policy(p, {}, error);
     REQUIRE(policy != nullptr);
-    bool observation = false, values = false;
+    bool observation = false, values = false, queries = false;
     auto reads = [&](const auto& entry) {
       const auto made = entry.make();
       observation = made.reads_observation();
       values = made.reads_values();
+      queries = made.reads_queries();
     };
     REQUIRE((p.composed ? kvevict::catalogue::compose(p.base, p.selector, reads)
                         : kvevict::catalogue::visit(p.name, reads)));
     CHECK(kvevict_policy_reads(policy) ==
-          ((observation ? KVEVICT_READS_OBSERVATION : 0) | (values ? KVEVICT_READS_VALUES : 0)));
+          ((observation ? KVEVICT_READS_OBSERVATION : 0) | (values ? KVEVICT_READS_VALUES : 0) |
+           (queries ? KVEVICT_READS_QUERIES : 0)));
     kvevict_policy_free(policy);
   }
 }

@@ -247,6 +247,24 @@ void expect_library(const std::string& policy, const BudgetFlag& b, const std::v
   }
 }
 
+/// Whether the catalogue policy needs the window queries themselves (attention rows will not do).
+bool reads_queries(const std::string& policy) {
+  bool out = false;
+  REQUIRE(kvevict::catalogue::visit(
+      policy, [&](const auto& e) { out = std::decay_t<decltype(e)>::policy_type::reads_queries(); }));
+  return out;
+}
+
+/// A policy that needs q_window, given window_attention: the CLI refuses with the library's message.
+void expect_queries_refusal(const std::string& policy, const std::vector<FileLayer>& layers, const Contents& c) {
+  const fs::path in = scratch() / "ragged.safetensors", out = scratch() / "ragged_out.safetensors";
+  write_model(in, layers, c);
+  const Run r = run_cli("--policy " + policy + " --budget 8" + io(in, out));
+  CAPTURE(policy, r.err);
+  CHECK(r.status != 0);
+  CHECK(r.err.find("needs the window queries [H, w, head_dim]") != std::string::npos);
+}
+
 }  // namespace
 
 TEST_CASE("kvevict-select on ragged layers selects what the library selects on the same LayerInputs", "[cli][ragged]") {
@@ -256,6 +274,10 @@ TEST_CASE("kvevict-select on ragged layers selects what the library selects on t
       for (Obs obs : {Obs::queries, Obs::attention}) {
         Contents c;
         c.obs = obs;
+        if (obs == Obs::attention && reads_queries(policy)) {
+          if (b.text == budget_flags().front().text) expect_queries_refusal(policy, layers, c);
+          continue;
+        }
         c.floats = st::dtype::F32;
         expect_library<float>(policy, b, layers, c);
         c.floats = st::dtype::F64;

@@ -39,6 +39,7 @@ class StreamingLLM {
   }
   /// StreamingLLM reads only the keys' shape.
   static constexpr bool reads_observation() { return false; }
+  static constexpr bool reads_queries() { return false; }
   bool reads_values() const { return false; }
 
   /// Selection over a layer of kv_heads x tokens.

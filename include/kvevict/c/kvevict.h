@@ -93,8 +93,9 @@ typedef struct kvevict_budget {
 typedef struct kvevict_policy kvevict_policy;       /* opaque, immutable */
 typedef struct kvevict_selection kvevict_selection; /* opaque: the kept entries of every layer */
 
-/* What a policy reads (bit set): observation (q_window or window_attention), values and w_o. */
-enum { KVEVICT_READS_OBSERVATION = 1, KVEVICT_READS_VALUES = 2 };
+/* What a policy reads (bit set): observation (q_window or window_attention), values and w_o, and whether the
+ * observation must be q_window (window_attention will not do: Expected Attention's query statistics). */
+enum { KVEVICT_READS_OBSERVATION = 1, KVEVICT_READS_VALUES = 2, KVEVICT_READS_QUERIES = 4 };
 
 /* The library version, "MAJOR.MINOR.PATCH". */
 KVEVICT_C_API const char* kvevict_version(void);
@@ -108,9 +109,10 @@ KVEVICT_C_API const char* kvevict_policy_name(size_t i);
 /* Creates a policy. `name` is a catalogue name, or NULL with the option "base" or "selector" or both (a composed
  * policy; the one not given defaults to snapkv / attention). Options are name/value pairs with kvevict-select's names,
  * '-' or '_' alike
- * ("window", "pool", "kernel", "alpha", "adakv-variant", "beta", "sinks", "precision", "reference-quirks", "share",
- * "reduce", "block", "eps", "first-stage-ratio", "value-norm", "mass-threshold", "no-floor", "base", "selector");
- * the flags reference-quirks and no-floor take "1"/"true" or "0"/"false". `option_values` may be NULL when
+ * ("window", "pool", "kernel", "alpha", "adakv-variant", "beta", "sinks", "rope-theta", "rotary-dim", "rope-layout",
+ * "future-positions", "no-covariance", "precision", "reference-quirks", "share", "reduce", "block", "eps",
+ * "first-stage-ratio", "value-norm", "mass-threshold", "no-floor", "base", "selector"); the flags
+ * reference-quirks, no-covariance and no-floor take "1"/"true" or "0"/"false". `option_values` may be NULL when
  * n_options is 0. Without "window" the window is the rows of each layer's q_window / window_attention. */
 KVEVICT_C_API kvevict_status kvevict_policy_create(const char* name, const char* const* option_names,
                                                    const char* const* option_values, size_t n_options,

@@ -1,7 +1,8 @@
 #pragma once
-/// The keys of a layer as arithmetic rows, for scorers that read the keys alone (K-norm, KeyDiff: docs/algorithms.md
-/// section 2.8): each KV head's live entries in cache-sized blocks, dequantized or converted exactly as the window
-/// attention reads them, so every storage type holding the same values scores alike.
+/// The keys (or values) of a layer as arithmetic rows, for scorers that read the cache without a window attention
+/// (K-norm, KeyDiff, Expected Attention: docs/algorithms.md sections 2.8 and 2.9): each KV head's live entries in
+/// cache-sized blocks, dequantized or converted exactly as the window attention reads them, so every storage type
+/// holding the same values scores alike.
 
 #include <algorithm>
 
@@ -11,19 +12,31 @@
 
 namespace kvevict::extend {
 
-/// Calls f(h, j0, rows) for every KV head h and every block [j0, j0 + n) of its entries [0, L_h): rows [n, d] in S
-/// (n <= 256; reused between calls).
+/// Calls f(j0, rows) for every block [j0, j0 + n) of rows [0, length) of head h of `view` (keys or values, read
+/// through `scale` when quantized): rows [n, d] in S (n <= 256; reused between calls).
+template <class S, class T, class F>
+void for_each_block_of_head(const KVView<const T>& view, const KVScale& scale, Index h, Index length, F&& f) {
+  RowMatrix<S> rows;
+  const detail::RowScale factors = detail::row_scale(scale, h);
+  for (Index j0 = 0; j0 < length; j0 += detail::kKeyBlock) {
+    const Index n = std::min(detail::kKeyBlock, length - j0);
+    detail::read_rows<S>(view.head(h).middleRows(j0, n), factors.from(j0), rows);
+    f(j0, static_cast<const RowMatrix<S>&>(rows));
+  }
+}
+
+/// Calls f(h, j0, rows) for every KV head h and every block [j0, j0 + n) of its entries [0, L_h) of `view`.
+template <class S, class T, class F>
+void for_each_entry_block(const KVView<const T>& view, const KVScale& scale, const LayerShape& shape, F&& f) {
+  for (Index h = 0; h < shape.kv_heads; ++h)
+    for_each_block_of_head<S>(view, scale, h, shape.length(h),
+                              [&](Index j0, const RowMatrix<S>& rows) { f(h, j0, rows); });
+}
+
+/// The keys of the layer: for_each_entry_block over in.keys.
 template <class S, class In, class F>
 void for_each_key_block(const In& in, const LayerShape& shape, F&& f) {
-  RowMatrix<S> rows;
-  for (Index h = 0; h < shape.kv_heads; ++h) {
-    const detail::RowScale scale = detail::row_scale(in.keys_scale, h);
-    for (Index j0 = 0; j0 < shape.length(h); j0 += detail::kKeyBlock) {
-      const Index n = std::min(detail::kKeyBlock, shape.length(h) - j0);
-      detail::read_rows<S>(in.keys.head(h).middleRows(j0, n), scale.from(j0), rows);
-      f(h, j0, static_cast<const RowMatrix<S>&>(rows));
-    }
-  }
+  for_each_entry_block<S>(in.keys, in.keys_scale, shape, f);
 }
 
 }  // namespace kvevict::extend

@@ -23,6 +23,7 @@
 #include "kvevict/policy/presets.hpp"
 #include "kvevict/selectors/critical_selector.hpp"
 #include "kvevict/selectors/defensive_selector.hpp"
+#include "kvevict/selectors/expected_attention_selector.hpp"
 #include "kvevict/selectors/key_diff_selector.hpp"
 #include "kvevict/selectors/key_norm_selector.hpp"
 
@@ -44,7 +45,11 @@ struct Knobs {
   std::optional<double> eps, first_stage_ratio;                  // CriticalSelector
   std::optional<ValueNorm> value_norm;                           // CriticalSelector, DefensiveSelector
   std::optional<double> mass_threshold;                          // DefensiveSelector
-  std::optional<bool> floor, value_term, mass_forcing;           // DefensiveSelector
+  std::optional<bool> floor, value_term, mass_forcing;           // DefensiveSelector (value_term: also Expected)
+  std::optional<double> rope_theta;                              // ExpectedAttentionSelector
+  std::optional<Index> rotary_dim, future_positions;             // ExpectedAttentionSelector
+  std::optional<RopeLayout> rope_layout;                         // ExpectedAttentionSelector
+  std::optional<bool> covariance;                                // ExpectedAttentionSelector
 };
 
 namespace detail {
@@ -80,6 +85,16 @@ void for_each_knob(K& k, F&& f) {
     f("floor", k.floor, &DefensiveSelector::Params::floor);
     f("value_term", k.value_term, &DefensiveSelector::Params::value_term);
     f("mass_forcing", k.mass_forcing, &DefensiveSelector::Params::mass_forcing);
+  }
+  if constexpr (std::is_base_of_v<ExpectedAttentionSelector::Params, Params>) {
+    using E = ExpectedAttentionSelector::Params;
+    f("rope_theta", k.rope_theta, &E::rope_theta);
+    f("rotary_dim", k.rotary_dim, &E::rotary_dim);
+    f("rope_layout", k.rope_layout, &E::rope_layout);
+    f("future_positions", k.future_positions, &E::future_positions);
+    f("sinks", k.sinks, &E::sinks);
+    f("covariance", k.covariance, &E::covariance);
+    f("value_term", k.value_term, &E::value_term);
   }
 }
 }  // namespace detail
@@ -174,7 +189,9 @@ inline auto entries() {
                   "the last query's attention, mean over the layer's heads; one set per layer (arXiv 2401.06104)"},
       Entry<KNorm>{"knorm", "keys of lowest L2 norm; reads keys only (arXiv 2406.11430)"},
       Entry<KeyDiff>{"keydiff", "keys least similar to the head's mean key direction; keys only (arXiv 2504.18838)"},
-      Entry<PyramidKV>{"pyramidkv", "SnapKV scores, per-layer budgets decreasing with depth (arXiv 2406.02069)"});
+      Entry<PyramidKV>{"pyramidkv", "SnapKV scores, per-layer budgets decreasing with depth (arXiv 2406.02069)"},
+      Entry<ExpectedAttention>{"expected-attention",
+                               "attention the next 512 queries are expected to pay, times ||v|| (kvpress)"});
 }
 
 /// The bases of a composition Policy<Base, Selector> (their allocation and its defaults) and the selectors.
@@ -193,7 +210,8 @@ struct SelectorEntry {
 inline auto selectors() {
   return std::make_tuple(SelectorEntry<AttentionSelector>{"attention"}, SelectorEntry<CriticalSelector>{"critical"},
                          SelectorEntry<DefensiveSelector>{"defensive"}, SelectorEntry<KeyNormSelector>{"knorm"},
-                         SelectorEntry<KeyDiffSelector>{"keydiff"});
+                         SelectorEntry<KeyDiffSelector>{"keydiff"},
+                         SelectorEntry<ExpectedAttentionSelector>{"expected"});
 }
 
 /// Calls f(entry) for every element of a tuple of entries, in order.

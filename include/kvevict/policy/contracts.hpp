@@ -122,6 +122,13 @@ template <class T>
 struct reads_observation<T, std::void_t<decltype(T::reads_observation())>>
     : std::bool_constant<T::reads_observation()> {};
 
+/// Whether a Selector needs the window queries themselves, not attention rows: false unless it declares
+///   static constexpr bool reads_queries() { return true; }   // statistics of the queries (Expected Attention)
+template <class T, class = void>
+struct reads_queries : std::false_type {};
+template <class T>
+struct reads_queries<T, std::void_t<decltype(T::reads_queries())>> : std::bool_constant<T::reads_queries()> {};
+
 /// A model-level preset (LayerGlobalPolicy<S> or a class derived from one, such as LayerDefensiveKV).
 template <class T, class = void>
 struct is_layer_global : std::false_type {};

@@ -185,8 +185,9 @@ class LayerGlobalPolicy {
       : name_(std::move(name)), params_((params.validate((name_ + "::Params").c_str()), params)), selector_(params) {}
   const Params& params() const { return params_; }
   const std::string& name() const { return name_; }
-  /// Whether select() reads the window observation (queries or attention), and values and W_o.
+  /// Whether select() reads the window observation (queries or attention), only the queries, values and W_o.
   static constexpr bool reads_observation() { return detail::reads_observation<SelectorType>::value; }
+  static constexpr bool reads_queries() { return detail::reads_queries<SelectorType>::value; }
   bool reads_values() const { return selector_.reads_values(); }
 
   /// A plan for one model: add() every layer in order, then apply(). S is the arithmetic type.

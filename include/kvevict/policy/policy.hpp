@@ -68,8 +68,9 @@ class Policy {
   const Params& params() const { return params_; }
   /// The preset's name (e.g. "SnapKV"), or "Policy<Base, Selector>" for a composition.
   const std::string& name() const { return name_; }
-  /// Whether select() reads the window observation (queries or attention), and values and W_o.
+  /// Whether select() reads the window observation (queries or attention), only the queries, values and W_o.
   static constexpr bool reads_observation() { return detail::reads_observation<SelectorType>::value; }
+  static constexpr bool reads_queries() { return detail::reads_queries<SelectorType>::value; }
   bool reads_values() const { return selector_.reads_values(); }
 
   /// Selects what one layer keeps. S is the arithmetic type (float, or double to compare with a float64

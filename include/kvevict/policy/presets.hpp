@@ -11,6 +11,7 @@
 #include "kvevict/selectors/attention_selector.hpp"
 #include "kvevict/selectors/critical_selector.hpp"
 #include "kvevict/selectors/defensive_selector.hpp"
+#include "kvevict/selectors/expected_attention_selector.hpp"
 #include "kvevict/selectors/key_diff_selector.hpp"
 #include "kvevict/selectors/key_norm_selector.hpp"
 
@@ -126,6 +127,15 @@ class KeyDiff : public Policy<UniformAllocation, KeyDiffSelector> {
     Params() { window = 1; }
   };
   explicit KeyDiff(const Params& p = Params{}) : Policy(p, type_name) {}
+};
+
+/// Expected Attention (kvpress ExpectedAttentionPress): the attention the next 512 positions' queries are expected
+/// to pay each key (window query statistics, RoPE averaged over those positions), times ||v||_2; the first 4
+/// entries kept; n_kept per KV head. The statistics come from the window queries (default 32, kept as SnapKV's).
+class ExpectedAttention : public Policy<UniformAllocation, ExpectedAttentionSelector> {
+ public:
+  static constexpr const char* type_name = "ExpectedAttention";
+  explicit ExpectedAttention(const Params& p = Params{}) : Policy(p, type_name) {}
 };
 
 }  // namespace KVEVICT_ABI_NAMESPACE

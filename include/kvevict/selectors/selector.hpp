@@ -7,6 +7,8 @@
 ///   struct Params { ...; void validate(const char* where) const; };
 ///   explicit Selector(const Params&);
 ///   bool reads_values() const;  // whether score() reads LayerInputs::values and w_o
+///   static constexpr bool reads_observation();  // optional, default true: false for key-only scores
+///   static constexpr bool reads_queries();      // optional, default false: true when attention rows will not do
 ///   template <class S> struct Layer { ScoreMap<S> allocation; ... };  // state between the two phases
 ///   void adjust_budget(LayerBudget&, const LayerShape&, const CommonParams&, const char* where) const;
 ///       may change the layer total (reference quirks of the flat top-k totals)

@@ -1,0 +1,185 @@
+#pragma once
+/// Expected Attention (kvpress ExpectedAttentionPress): each key is scored by the attention that the queries of the
+/// next positions are expected to pay it, from the mean and covariance of the window queries before RoPE, rotated
+/// by the RoPE rotation averaged over those positions, times the value's norm (docs/algorithms.md section 2.9).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "kvevict/observation/key_rows.hpp"
+#include "kvevict/observation/window_attention.hpp"
+#include "kvevict/rope/rerotate.hpp"
+#include "kvevict/selectors/selector.hpp"
+
+namespace kvevict {
+
+/// Per query head q (window queries un-rotated from their positions t_i: q_i = R(t_i)^T q_i^post, i < w):
+///   mu_q = mean_i q_i [d],  Sigma_q = mean_i (q_i - mu_q)(q_i - mu_q)^T [d, d]  (population covariance)
+///   Rbar = mean over t in [T, T + future) of R(t), T = the last window position + 1 (a block of scaled rotations)
+///   mu'_q = Rbar mu_q,  Sigma'_q = Rbar Sigma_q Rbar^T
+///   z_q[j] = mu'_q . k_j / sqrt(d) + k_j^T Sigma'_q k_j / (2 d)  for the head's post-RoPE keys k_j, j >= sinks
+///   a_q = softmax of z_q over the entries j in [sinks, L_h) of its KV head (window entries included)
+/// Prefix entry j of KV head h (sinks <= j < P_h) scores mean over the group's q of a_q[j], times ||v_j||_2 when
+/// value_term; the first min(sinks, P_h, n_kept - w) entries of each head are forced (kept first), then the
+/// window; each head keeps its top budgets[h].
+struct ExpectedAttentionSelector {
+  static constexpr const char* type_name = "ExpectedAttentionSelector";
+  struct Params {
+    double rope_theta = 10000.0;                ///< the model's RoPE base (Llama 2: 10000, Llama 3: 500000)
+    Index rotary_dim = 0;                       ///< its rotated dimensions, even (0: the whole head_dim)
+    RopeLayout rope_layout = RopeLayout::half;  ///< its pairing (half: Hugging Face Llama's rotate_half)
+    Index future_positions = 512;               ///< the next positions the rotation is averaged over (kvpress: 512)
+    Index sinks = 4;                            ///< first entries of each head: kept, out of the softmax (kvpress: 4)
+    bool covariance = true;                     ///< add k^T Sigma' k / (2 d) (false: the mean alone)
+    bool value_term = true;                     ///< weight by ||v_j||_2 (false: the expected attention alone)
+    Rope rope() const { return Rope{rope_theta, rotary_dim, rope_layout}; }
+    void validate(const char* where) const {
+      detail::require(std::isfinite(rope_theta) && rope_theta > 0.0, where, "rope_theta must be finite and > 0, got ",
+                      rope_theta);
+      detail::require(rotary_dim >= 0 && rotary_dim % 2 == 0, where,
+                      "rotary_dim must be even and >= 0 (0: the whole head_dim), got ", rotary_dim);
+      detail::require(future_positions >= 1, where, "future_positions must be >= 1, got ", future_positions);
+      detail::require(sinks >= 0, where, "sinks must be >= 0, got ", sinks);
+    }
+  };
+  template <class S>
+  struct Layer {
+    extend::ScoreMap<S> allocation;  ///< [Hkv, L]
+  };
+
+  ExpectedAttentionSelector() = default;
+  explicit ExpectedAttentionSelector(const Params& p) : params_(p) {}
+  const Params& params() const { return params_; }
+  bool reads_values() const { return params_.value_term; }
+  static constexpr bool reads_queries() { return true; }  // their mean and covariance: attention rows will not do
+  void adjust_budget(extend::LayerBudget& /*budget*/, const extend::LayerShape& /*shape*/,
+                     const CommonParams& /*common*/, const char* /*where*/) const {}
+
+  template <class S, class In>
+  Layer<S> score(const In& in, const extend::LayerShape& shape, const CommonParams& common,
+                 const extend::LayerBudget& budget, const char* where) const {
+    validate_layer(in, shape, where);
+    const Index d = shape.head_dim, G = shape.group;
+    const Index rd = detail::rope_rotary_dim(params_.rope(), d, where);
+    const std::vector<double> inv = detail::rope_inv_frequencies(params_.rope_theta, rd);
+    // The window queries' positions: those of the last w entries (of KV head 0: the window is the same tokens in
+    // every head), and the first future position after them.
+    std::vector<std::int64_t> query_pos(static_cast<std::size_t>(shape.window));
+    for (Index i = 0; i < shape.window; ++i)
+      query_pos[static_cast<std::size_t>(i)] = shape.position(0, shape.length(0) - shape.window + i);
+    std::vector<S> mean_cos, mean_sin;  // Rbar's pairs [rd / 2]
+    averaged_rotation(inv, query_pos.back() + 1, mean_cos, mean_sin);
+    const auto turn = [&](S* row) {
+      detail::rope_rotate_row<S>(row, rd, params_.rope_layout, mean_cos.data(), mean_sin.data());
+    };
+    const S inv_sqrt_d = S(1) / std::sqrt(static_cast<S>(d)), inv_2d = S(1) / (S(2) * static_cast<S>(d));
+
+    RowMatrix<S> prefix = RowMatrix<S>::Zero(shape.kv_heads, shape.prefix);  // [Hkv, P]
+    std::vector<S> cos_tab(inv.size()), sin_tab(inv.size());
+    std::vector<Eigen::Matrix<S, 1, Eigen::Dynamic>> mu(static_cast<std::size_t>(G));  // G x [d]: mu'
+    std::vector<RowMatrix<S>> sigma(static_cast<std::size_t>(G));                      // G x [d, d]: Sigma'
+    for (Index h = 0; h < shape.kv_heads; ++h) {
+      for (Index g = 0; g < G; ++g) {
+        // Pre-RoPE queries [w, d]: each window query turned back by its position.
+        RowMatrix<S> q = in.queries.head(h * G + g).template cast<S>();
+        for (Index i = 0; i < shape.window; ++i) {
+          detail::rope_cos_sin(-query_pos[static_cast<std::size_t>(i)], inv, cos_tab.data(), sin_tab.data());
+          detail::rope_rotate_row<S>(q.row(i).data(), rd, params_.rope_layout, cos_tab.data(), sin_tab.data());
+        }
+        auto& m = mu[static_cast<std::size_t>(g)];
+        m = q.colwise().mean();
+        if (params_.covariance) {
+          const RowMatrix<S> centered = q.rowwise() - m;
+          RowMatrix<S> c = (centered.transpose() * centered) / static_cast<S>(shape.window);  // Sigma
+          for (Index r = 0; r < d; ++r) turn(c.row(r).data());  // Sigma Rbar^T: each row turned by Rbar
+          RowMatrix<S>& out = sigma[static_cast<std::size_t>(g)];
+          out = c.transpose();  // (Sigma Rbar^T)^T = Rbar Sigma^T; its rows turned: Rbar Sigma^T Rbar^T
+          for (Index r = 0; r < d; ++r) turn(out.row(r).data());
+        }
+        turn(m.data());
+      }
+      // Expected logits [G, L_h - sinks] from one pass over the head's keys.
+      const Index first = std::min(params_.sinks, shape.length(h));  // the softmax runs over [first, L_h)
+      const Index n = shape.length(h) - first;
+      RowMatrix<S> logits(G, n);
+      extend::for_each_block_of_head<S>(
+          in.keys, in.keys_scale, h, shape.length(h), [&](Index j0, const RowMatrix<S>& k) {
+            for (Index g = 0; g < G; ++g) {
+              Eigen::Matrix<S, Eigen::Dynamic, 1> z = (k * mu[static_cast<std::size_t>(g)].transpose()) * inv_sqrt_d;
+              if (params_.covariance) {
+                const RowMatrix<S> ks = k * sigma[static_cast<std::size_t>(g)].transpose();  // row r = Sigma' k_r
+                z += k.cwiseProduct(ks).rowwise().sum() * inv_2d;
+              }
+              for (Index r = std::max<Index>(0, first - j0); r < k.rows(); ++r) logits(g, j0 + r - first) = z(r);
+            }
+          });
+      // Softmax of each query head's row, then the mean over the group, for the prefix entries past the sinks.
+      for (Index g = 0; g < G && n > 0; ++g) {
+        auto row = logits.row(g);
+        row = (row.array() - row.maxCoeff()).exp().matrix();
+        row /= row.sum();
+      }
+      for (Index j = first; j < shape.prefix_of(h); ++j) prefix(h, j) = logits.col(j - first).sum() / static_cast<S>(G);
+    }
+    if (params_.value_term) {
+      extend::for_each_entry_block<S>(in.values, in.values_scale, shape, [&](Index h, Index j0, const RowMatrix<S>& v) {
+        for (Index r = 0; r < v.rows() && j0 + r < shape.prefix_of(h); ++r) prefix(h, j0 + r) *= v.row(r).norm();
+      });
+    }
+    Layer<S> layer{extend::scores_with_window(prefix, shape, common.reference_quirks)};
+    layer.allocation.require_finite(where);
+    const Index cap = std::max<Index>(0, static_cast<Index>(budget.n_kept) - shape.window);
+    for (Index h = 0; h < shape.kv_heads; ++h)
+      for (Index j = 0; j < std::min({params_.sinks, shape.prefix_of(h), cap}); ++j)
+        layer.allocation.promote(h, j, extend::Tier::forced);
+    return layer;
+  }
+
+  template <class S>
+  void select(const Layer<S>& layer, const std::vector<Index>& budgets, extend::KeepFlags& keep) const {
+    extend::select_top_per_head(layer.allocation, budgets, keep);
+  }
+
+ private:
+  /// Rbar's pairs: the means of cos(t inv_i) and sin(t inv_i) over t in [first, first + future_positions), in double.
+  template <class S>
+  void averaged_rotation(const std::vector<double>& inv, std::int64_t first, std::vector<S>& mean_cos,
+                         std::vector<S>& mean_sin) const {
+    mean_cos.resize(inv.size());
+    mean_sin.resize(inv.size());
+    const auto F = static_cast<double>(params_.future_positions);
+    for (std::size_t i = 0; i < inv.size(); ++i) {
+      double c = 0.0, s = 0.0;
+      for (Index t = 0; t < params_.future_positions; ++t) {
+        const double a = static_cast<double>(first + t) * inv[i];
+        c += std::cos(a);
+        s += std::sin(a);
+      }
+      mean_cos[i] = static_cast<S>(c / F);
+      mean_sin[i] = static_cast<S>(s / F);
+    }
+  }
+
+  /// Window queries (not attention rows: the statistics need the queries), finite; values when value_term.
+  template <class In>
+  void validate_layer(const In& in, const extend::LayerShape& shape, const char* where) const {
+    detail::require(in.queries.heads() * in.queries.rows() * in.queries.cols() > 0, where,
+                    "Expected Attention needs the window queries [H, w, head_dim] (LayerInputs::queries): it takes "
+                    "their mean and covariance, which attention rows do not give");
+    detail::require_finite(in.queries, where, "queries");
+    detail::require_finite_entries(in.keys, shape, where, "keys", in.keys_scale);
+    if (!params_.value_term) return;
+    detail::require(in.values.heads() * in.values.rows() * in.values.cols() > 0, where,
+                    "this policy needs values [kv_heads, tokens, head_dim] (LayerInputs::values), or value_term = "
+                    "false");
+    detail::require(in.values.cols() == shape.head_dim, where, "values must have head_dim = ", shape.head_dim,
+                    " columns, got ", in.values.cols());
+    detail::require_finite_entries(in.values, shape, where, "values", in.values_scale);
+  }
+
+  Params params_;
+};
+
+}  // namespace kvevict
