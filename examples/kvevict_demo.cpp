@@ -120,6 +120,8 @@ const std::vector<PolicyEntry>& all_policies() {
     last_token.window = 1;
     list.push_back(entry("layer+keydiff", "layer", last_token, true, "keydiff"));
     list.push_back(entry("pyramidkv+keydiff", "pyramidkv", last_token, true, "keydiff"));
+    // Expected Attention's scores (the next positions' expected attention) under one budget across layers.
+    list.push_back(entry("layer+expected", "layer", {}, true, "expected"));
     return list;
   }();
   return policies;
