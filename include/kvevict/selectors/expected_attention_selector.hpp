@@ -20,6 +20,7 @@ namespace kvevict {
 ///   Rbar = mean over t in [T, T + future) of R(t), T = the last window position + 1 (a block of scaled rotations)
 ///   mu'_q = Rbar mu_q,  Sigma'_q = Rbar Sigma_q Rbar^T
 ///   z_q[j] = mu'_q . k_j / sqrt(d) + k_j^T Sigma'_q k_j / (2 d)  for the head's post-RoPE keys k_j, j >= sinks
+///            (computed as sum_i ((Rbar (q_i - mu_q)) . k_j)^2 / (2 d w): Sigma'_q has rank <= w)
 ///   a_q = softmax of z_q over the entries j in [sinks, L_h) of its KV head (window entries included)
 /// Prefix entry j of KV head h (sinks <= j < P_h) scores mean over the group's q of a_q[j], times ||v_j||_2 when
 /// value_term; the first min(sinks, P_h, n_kept - w) entries of each head are forced (kept first), then the
@@ -74,46 +75,43 @@ struct ExpectedAttentionSelector {
     const auto turn = [&](S* row) {
       detail::rope_rotate_row<S>(row, rd, params_.rope_layout, mean_cos.data(), mean_sin.data());
     };
-    const S inv_sqrt_d = S(1) / std::sqrt(static_cast<S>(d)), inv_2d = S(1) / (S(2) * static_cast<S>(d));
+    // k^T Sigma' k = (1 / w) sum_i ((Rbar c_i) . k)^2 with c_i = q_i - mu (Sigma' has rank <= w): the quadratic
+    // term is a product with w rows per query head, as the window attention is, instead of d x d.
+    const Index w = shape.window, F = params_.covariance ? w : 0;
+    const S mean_scale = S(1) / std::sqrt(static_cast<S>(d)),
+            factor_scale = S(1) / std::sqrt(S(2) * static_cast<S>(d) * static_cast<S>(w));
 
     RowMatrix<S> prefix = RowMatrix<S>::Zero(shape.kv_heads, shape.prefix);  // [Hkv, P]
     std::vector<S> cos_tab(inv.size()), sin_tab(inv.size());
-    std::vector<Eigen::Matrix<S, 1, Eigen::Dynamic>> mu(static_cast<std::size_t>(G));  // G x [d]: mu'
-    std::vector<RowMatrix<S>> sigma(static_cast<std::size_t>(G));                      // G x [d, d]: Sigma'
+    // Per KV head, its group's rows [G + G * F, d]: mu'_g / sqrt(d), then (Rbar c_i) / sqrt(2 d w) for each g, i.
+    RowMatrix<S> rows(G + G * F, d);
     for (Index h = 0; h < shape.kv_heads; ++h) {
       for (Index g = 0; g < G; ++g) {
         // Pre-RoPE queries [w, d]: each window query turned back by its position.
         RowMatrix<S> q = in.queries.head(h * G + g).template cast<S>();
-        for (Index i = 0; i < shape.window; ++i) {
+        for (Index i = 0; i < w; ++i) {
           detail::rope_cos_sin(-query_pos[static_cast<std::size_t>(i)], inv, cos_tab.data(), sin_tab.data());
           detail::rope_rotate_row<S>(q.row(i).data(), rd, params_.rope_layout, cos_tab.data(), sin_tab.data());
         }
-        auto& m = mu[static_cast<std::size_t>(g)];
-        m = q.colwise().mean();
-        if (params_.covariance) {
-          const RowMatrix<S> centered = q.rowwise() - m;
-          RowMatrix<S> c = (centered.transpose() * centered) / static_cast<S>(shape.window);  // Sigma
-          for (Index r = 0; r < d; ++r) turn(c.row(r).data());  // Sigma Rbar^T: each row turned by Rbar
-          RowMatrix<S>& out = sigma[static_cast<std::size_t>(g)];
-          out = c.transpose();  // (Sigma Rbar^T)^T = Rbar Sigma^T; its rows turned: Rbar Sigma^T Rbar^T
-          for (Index r = 0; r < d; ++r) turn(out.row(r).data());
+        const Eigen::Matrix<S, 1, Eigen::Dynamic> m = q.colwise().mean();
+        rows.row(g) = m * mean_scale;
+        turn(rows.row(g).data());
+        for (Index i = 0; i < F; ++i) {
+          auto r = rows.row(G + g * F + i);
+          r = (q.row(i) - m) * factor_scale;
+          turn(r.data());
         }
-        turn(m.data());
       }
-      // Expected logits [G, L_h - sinks] from one pass over the head's keys.
+      // Expected logits [G, L_h - sinks] from one product per block of the head's keys.
       const Index first = std::min(params_.sinks, shape.length(h));  // the softmax runs over [first, L_h)
       const Index n = shape.length(h) - first;
       RowMatrix<S> logits(G, n);
       extend::for_each_block_of_head<S>(
           in.keys, in.keys_scale, h, shape.length(h), [&](Index j0, const RowMatrix<S>& k) {
-            for (Index g = 0; g < G; ++g) {
-              Eigen::Matrix<S, Eigen::Dynamic, 1> z = (k * mu[static_cast<std::size_t>(g)].transpose()) * inv_sqrt_d;
-              if (params_.covariance) {
-                const RowMatrix<S> ks = k * sigma[static_cast<std::size_t>(g)].transpose();  // row r = Sigma' k_r
-                z += k.cwiseProduct(ks).rowwise().sum() * inv_2d;
-              }
-              for (Index r = std::max<Index>(0, first - j0); r < k.rows(); ++r) logits(g, j0 + r - first) = z(r);
-            }
+            const RowMatrix<S> p = k * rows.transpose();  // [b, G + G * F]
+            for (Index g = 0; g < G; ++g)
+              for (Index r = std::max<Index>(0, first - j0); r < k.rows(); ++r)
+                logits(g, j0 + r - first) = p(r, g) + (F > 0 ? p.row(r).segment(G + g * F, F).squaredNorm() : S(0));
           });
       // Softmax of each query head's row, then the mean over the group, for the prefix entries past the sinks.
       for (Index g = 0; g < G && n > 0; ++g) {
