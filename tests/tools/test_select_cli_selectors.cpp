@@ -402,6 +402,22 @@ TEST_CASE("kvevict-select value-aware policies reject bad input with one clear l
                    "--value-norm must be l1 or l2, got 'l3'");
     expect_failure("--policy defensivekv --budget 12 --value-norm" + io(bad, out), 2, "--value-norm must be l1 or l2");
   }
+  SECTION("bad Expected Attention flags") {
+    write_model(bad, layers, Contents{});
+    const std::string ea = "--policy expected-attention --budget 12 ";
+    expect_failure(ea + "--rope-theta 0" + io(bad, out), 2, "--rope-theta must be > 0, got 0");
+    expect_failure(ea + "--rope-theta inf" + io(bad, out), 2, "--rope-theta expects a finite number");
+    expect_failure(ea + "--rotary-dim 3" + io(bad, out), 2, "--rotary-dim must be even and >= 0, got 3");
+    expect_failure(ea + "--rotary-dim -2" + io(bad, out), 2, "--rotary-dim must be even and >= 0, got -2");
+    expect_failure(ea + "--rope-layout gptj" + io(bad, out), 2,
+                   "--rope-layout must be half or interleaved, got 'gptj'");
+    expect_failure(ea + "--future-positions 0" + io(bad, out), 2, "--future-positions must be >= 1, got 0");
+    expect_failure(ea + "--sinks -1" + io(bad, out), 2, "--sinks must be >= 0, got -1");
+    // The same flags in range select.
+    CHECK(run_cli(ea + "--rope-theta 500000 --rope-layout interleaved --future-positions 64 --no-covariance" +
+                  io(bad, out))
+              .status == 0);
+  }
 }
 
 }  // namespace test_select_cli_selectors
