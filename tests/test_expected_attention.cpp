@@ -21,16 +21,11 @@ using kvevict::Index;
 using kvevict::Selection;
 using kvevict_test::Ragged;
 using kvevict_test::Rng;
+using kvevict_test::rows_of;
 namespace ref = kvevict_ref::ragged;
 namespace eref = kvevict_ref::expected;
 
 namespace {
-
-ref::KeptRows rows_of(const Selection& s) {
-  ref::KeptRows out(static_cast<std::size_t>(s.heads()));
-  for (Index h = 0; h < s.heads(); ++h) out[static_cast<std::size_t>(h)].assign(s.head(h).begin(), s.head(h).end());
-  return out;
-}
 
 kvevict::ExpectedAttention::Params params_of(const eref::Params& p, int w) {
   kvevict::ExpectedAttention::Params q;

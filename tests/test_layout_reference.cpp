@@ -23,6 +23,7 @@ using kvevict::Index;
 using kvevict::Selection;
 using kvevict_test::Ragged;
 using kvevict_test::Rng;
+using kvevict_test::rows_of;
 namespace ref = kvevict_ref::ragged;
 namespace lref = kvevict_ref::layout;
 
@@ -38,16 +39,6 @@ std::string show(const std::vector<ref::KeptRows>& model) {
       out += "} ";
     }
     out += "] ";
-  }
-  return out;
-}
-
-std::vector<ref::KeptRows> rows_of(const std::vector<Selection>& sels) {
-  std::vector<ref::KeptRows> out;
-  for (const Selection& s : sels) {
-    ref::KeptRows k(static_cast<std::size_t>(s.heads()));
-    for (Index h = 0; h < s.heads(); ++h) k[static_cast<std::size_t>(h)].assign(s.head(h).begin(), s.head(h).end());
-    out.push_back(k);
   }
   return out;
 }

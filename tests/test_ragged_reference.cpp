@@ -21,15 +21,10 @@ using kvevict::Index;
 using kvevict::Selection;
 using kvevict_test::Ragged;
 using kvevict_test::Rng;
+using kvevict_test::rows_of;
 namespace ref = kvevict_ref::ragged;
 
 namespace {
-
-ref::KeptRows rows_of(const Selection& s) {
-  ref::KeptRows out(static_cast<std::size_t>(s.heads()));
-  for (Index h = 0; h < s.heads(); ++h) out[static_cast<std::size_t>(h)].assign(s.head(h).begin(), s.head(h).end());
-  return out;
-}
 
 std::string show(const ref::KeptRows& k) {
   std::string out;

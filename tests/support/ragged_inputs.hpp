@@ -19,6 +19,20 @@ namespace kvevict_test {
 /// (ascending), keys/values [L_h, d] each; queries [H, w, d]; W_o [D, H * d].
 using Ragged = kvevict_ref::ragged::Layer;
 
+/// A Selection as the reference's kept rows: [Hkv] row indices per head, ascending.
+inline kvevict_ref::ragged::KeptRows rows_of(const kvevict::Selection& s) {
+  kvevict_ref::ragged::KeptRows out(static_cast<std::size_t>(s.heads()));
+  for (kvevict::Index h = 0; h < s.heads(); ++h)
+    out[static_cast<std::size_t>(h)].assign(s.head(h).begin(), s.head(h).end());
+  return out;
+}
+/// One per layer.
+inline std::vector<kvevict_ref::ragged::KeptRows> rows_of(const std::vector<kvevict::Selection>& layers) {
+  std::vector<kvevict_ref::ragged::KeptRows> out;
+  for (const kvevict::Selection& s : layers) out.push_back(rows_of(s));
+  return out;
+}
+
 inline kvevict::Index length(const Ragged& r, int h) {
   return static_cast<kvevict::Index>(r.heads[static_cast<std::size_t>(h)].pos.size());
 }
