@@ -122,6 +122,8 @@ const std::vector<PolicyEntry>& all_policies() {
     list.push_back(entry("pyramidkv+keydiff", "pyramidkv", last_token, true, "keydiff"));
     // Expected Attention's scores (the next positions' expected attention) under one budget across layers.
     list.push_back(entry("layer+expected", "layer", {}, true, "expected"));
+    // H2O's received attention (the whole prompt's, then every later query's) under one budget across layers.
+    list.push_back(entry("layer+h2o", "layer", last_token, true, "h2o"));
     return list;
   }();
   return policies;

@@ -331,7 +331,7 @@ PYBIND11_MODULE(kvevict, m) {
       "select(policy, keys=K, values=V, q_window=Q, w_o=Wo, keep=0.1, **options) -> Selection\n"
       "select_layers(policy, [dict(keys=..., ...), ...], keep=0.1, **options) -> [Selection]\n"
       "Options are kvevict-select's, in snake_case (window, pool, kernel, alpha, adakv_variant, beta, sinks, "
-      "rope_theta, rotary_dim, rope_layout, future_positions, no_covariance, precision, "
+      "rope_theta, rotary_dim, rope_layout, future_positions, no_covariance, recent_share, precision, "
       "reference_quirks, share, reduce, block, eps, first_stage_ratio, value_norm, mass_threshold, no_floor, base, "
       "selector). See docs/python.md.";
   m.attr("__version__") = kvevict_version();

@@ -70,7 +70,7 @@ TEST_CASE("catalogue: every entry is named once and makes its preset with the pr
   CHECK_FALSE(kvevict::catalogue::visit("nosuch", [](const auto&) {}));
   CHECK(kvevict::catalogue::names(kvevict::catalogue::entries())
             .rfind("streamingllm, snapkv, adakv, criticalkv, criticalkv-snapkv, defensivekv, layer-defensivekv, "
-                   "adakv-defensive, tova, knorm, keydiff, pyramidkv, expected-attention",
+                   "adakv-defensive, tova, knorm, keydiff, pyramidkv, expected-attention, h2o",
                    0) == 0);
 }
 
@@ -96,6 +96,9 @@ TEST_CASE("catalogue: budget scopes, knob lists and knobs applied", "[catalogue]
         Names{"share", "reduce", "block", "window", "pooling", "kernel", "reference_quirks", "rope_theta", "rotary_dim",
               "rope_layout", "future_positions", "sinks", "covariance", "value_term"});
   STATIC_REQUIRE(kvevict::budget_scope<kvevict::ExpectedAttention>() == BudgetScope::head);
+  CHECK(kvevict::knob_names<kvevict::H2O::Params>() ==
+        Names{"share", "reduce", "block", "window", "pooling", "kernel", "reference_quirks", "recent_share"});
+  STATIC_REQUIRE(kvevict::budget_scope<kvevict::H2O>() == BudgetScope::head);
   STATIC_REQUIRE(kvevict::budget_scope<kvevict::Policy<kvevict::PyramidKV, kvevict::DefensiveSelector>>() ==
                  BudgetScope::model);
   CHECK(kvevict::knob_names<kvevict::LayerDefensiveKV::Params>() ==

@@ -98,6 +98,8 @@ inline std::string usage_text() {
          "  --rope-layout half|interleaved   Expected Attention: RoPE pairing (default half, rotate_half)\n"
          "  --future-positions F      Expected Attention: next positions RoPE is averaged over (default 512)\n"
          "  --no-covariance           Expected Attention: the query mean alone (ablation)\n"
+         "  --recent-share R          H2O: share of the budget kept for the most recent entries, [0, 1]\n"
+         "                            (default 0.5)\n"
          "  --precision f32|f64       arithmetic precision (default f32)\n"
          "  --reference-quirks        reproduce the reference code's quirks (needs --compression-ratio for defensive)\n"
          "  --share head|layer|model  KV heads keeping one common set: each head, a layer's heads, every head of\n"
@@ -251,6 +253,10 @@ class OptionSet {
       if (future < 1) throw usage_error(flag + " must be >= 1, got " + v);
     } else if (a == "no-covariance") {
       if (parse_bool(flag, v)) o.knobs.covariance = false;
+    } else if (a == "recent-share") {
+      const double share = parse_double(flag, v);
+      o.knobs.recent_share = share;
+      if (!(share >= 0.0 && share <= 1.0)) throw usage_error(flag + " must be in [0, 1], got " + v);
     } else if (a == "precision") {
       if (v != "f32" && v != "f64") throw usage_error(flag + " must be f32 or f64, got '" + v + "'");
       o.precision = v;
@@ -363,6 +369,7 @@ class OptionSet {
                                                  "rope-layout",
                                                  "future-positions",
                                                  "no-covariance",
+                                                 "recent-share",
                                                  "precision",
                                                  "reference-quirks",
                                                  "share",

@@ -21,6 +21,8 @@
 /// storage (no copy) and each head's length and positions (a ragged cache after an eviction); evict(layer,
 /// selection) compacts the cache in place. Eviction while the cache grows (chunked prefill, decoding under a cap):
 /// call evict_over_budget(policy, n) after each extend() of c >= window tokens (docs/algorithms.md section 7).
+/// The forward pass also adds each softmax row to the attention its entries received (LayerBook::add_attention),
+/// which H2O reads: the prefill's whole causal attention, then every later token's.
 
 #include <Eigen/Core>
 
@@ -309,10 +311,12 @@ class Engine {
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     Matrix attn(n, c.n_head * d);
     Matrix scores;
+    RowVector received;  // attention each row of the KV head received from the new tokens' queries (H2O)
     for (Index kh = 0; kh < c.n_kv_head; ++kh) {
       const auto keys = cache_.keys(l, kh);  // [len, d]: kept context rows, then the new tokens
       const auto values = cache_.values(l, kh);
       const Index cached = keys.rows() - n;  // rows before the new tokens, all visible to every new token
+      received.setZero(keys.rows());
       for (Index qh = kh * group; qh < (kh + 1) * group; ++qh) {
         for (Index b0 = 0; b0 < n; b0 += attention_block) {
           const Index bn = std::min(attention_block, n - b0), visible_end = cached + b0 + bn;
@@ -327,8 +331,11 @@ class Engine {
             row.tail(visible_end - visible).setZero();
           }
           attn.block(b0, qh * d, bn, d).noalias() = scores * values.topRows(visible_end);
+          received.head(visible_end) += scores.colwise().sum();
         }
       }
+      received /= static_cast<float>(group);  // the mean over the group's query heads
+      cache_.book().layer(l).add_attention(kh, received.data(), keys.rows());
     }
     x.noalias() += attn * w.wo.transpose();
 

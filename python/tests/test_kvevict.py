@@ -137,7 +137,7 @@ OPTS_RAGGED = dict(seed=12, Hkv=2, G=2, Ls=[40, 36], d=8, w=4, ragged=True)
 
 POLICIES = list(kvevict.policies())
 BASES = ["snapkv", "adakv", "defensivekv", "layer", "pyramidkv"]
-SELECTORS = ["attention", "critical", "defensive", "knorm", "keydiff", "expected"]
+SELECTORS = ["attention", "critical", "defensive", "knorm", "keydiff", "expected", "h2o"]
 COMPOSED = [(b, s) for b in BASES for s in SELECTORS]
 ALL_POLICIES = POLICIES + COMPOSED
 

@@ -418,6 +418,15 @@ TEST_CASE("kvevict-select value-aware policies reject bad input with one clear l
                   io(bad, out))
               .status == 0);
   }
+  SECTION("bad H2O flags") {
+    write_model(bad, layers, Contents{});
+    const std::string h2o = "--policy h2o --budget 12 ";
+    expect_failure(h2o + "--recent-share 1.5" + io(bad, out), 2, "--recent-share must be in [0, 1], got 1.5");
+    expect_failure(h2o + "--recent-share -0.1" + io(bad, out), 2, "--recent-share must be in [0, 1], got -0.1");
+    expect_failure(h2o + "--recent-share half" + io(bad, out), 2, "--recent-share");
+    CHECK(run_cli(h2o + "--recent-share 0.25" + io(bad, out)).status == 0);
+    CHECK(run_cli("--base layer --selector h2o --budget 12 --recent-share 1" + io(bad, out)).status == 0);
+  }
 }
 
 }  // namespace test_select_cli_selectors

@@ -110,8 +110,8 @@ KVEVICT_C_API const char* kvevict_policy_name(size_t i);
  * policy; the one not given defaults to snapkv / attention). Options are name/value pairs with kvevict-select's names,
  * '-' or '_' alike
  * ("window", "pool", "kernel", "alpha", "adakv-variant", "beta", "sinks", "rope-theta", "rotary-dim", "rope-layout",
- * "future-positions", "no-covariance", "precision", "reference-quirks", "share", "reduce", "block", "eps",
- * "first-stage-ratio", "value-norm", "mass-threshold", "no-floor", "base", "selector"); the flags
+ * "future-positions", "no-covariance", "recent-share", "precision", "reference-quirks", "share", "reduce", "block",
+ * "eps", "first-stage-ratio", "value-norm", "mass-threshold", "no-floor", "base", "selector"); the flags
  * reference-quirks, no-covariance and no-floor take "1"/"true" or "0"/"false". `option_values` may be NULL when
  * n_options is 0. Without "window" the window is the rows of each layer's q_window / window_attention. */
 KVEVICT_C_API kvevict_status kvevict_policy_create(const char* name, const char* const* option_names,

@@ -40,6 +40,9 @@ using gram_scalar_t = std::conditional_t<std::is_same_v<std::remove_const_t<T>, 
 ///             select (2 H D d^2 FLOPs, as much as the value term itself at 4k tokens for Llama-3.1-8B). It must be
 ///             the Gram of this w_o (the library checks its shape and finiteness, not its values). A float Gram
 ///             used by select<double>() is widened, not recomputed.
+///   accumulated optional: [Hkv, >= L_h, 1] the attention each entry has received over the steps so far
+///             (accumulate_attention(), LayerBook::accumulate()); only H2OSelector reads it (docs/algorithms.md
+///             section 2.10). Empty: H2O scores the attention received from the window queries alone.
 ///   keys_scale, values_scale  int8 and fp8 caches only (docs/algorithms.md section 9): entry j of KV head h holds
 ///             float(stored) * (tensor * token(h, j)); the default (tensor 1, no token scales) reads the codes as
 ///             they are. Every stage selects exactly as on float storage holding those values.
@@ -57,6 +60,7 @@ struct LayerInputs {
   const OutputGram<gram_scalar_t<W>>* w_o_gram = nullptr;
   const std::int64_t* lengths = nullptr;
   PositionsView positions;
+  HeadsView<const float> accumulated;
   KVScale keys_scale, values_scale;
 };
 

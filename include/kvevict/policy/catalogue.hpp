@@ -24,6 +24,7 @@
 #include "kvevict/selectors/critical_selector.hpp"
 #include "kvevict/selectors/defensive_selector.hpp"
 #include "kvevict/selectors/expected_attention_selector.hpp"
+#include "kvevict/selectors/h2o_selector.hpp"
 #include "kvevict/selectors/key_diff_selector.hpp"
 #include "kvevict/selectors/key_norm_selector.hpp"
 
@@ -50,6 +51,7 @@ struct Knobs {
   std::optional<Index> rotary_dim, future_positions;             // ExpectedAttentionSelector
   std::optional<RopeLayout> rope_layout;                         // ExpectedAttentionSelector
   std::optional<bool> covariance;                                // ExpectedAttentionSelector
+  std::optional<double> recent_share;                            // H2OSelector
 };
 
 namespace detail {
@@ -96,6 +98,8 @@ void for_each_knob(K& k, F&& f) {
     f("covariance", k.covariance, &E::covariance);
     f("value_term", k.value_term, &E::value_term);
   }
+  if constexpr (std::is_base_of_v<H2OSelector::Params, Params>)
+    f("recent_share", k.recent_share, &H2OSelector::Params::recent_share);
 }
 }  // namespace detail
 
@@ -191,7 +195,8 @@ inline auto entries() {
       Entry<KeyDiff>{"keydiff", "keys least similar to the head's mean key direction; keys only (arXiv 2504.18838)"},
       Entry<PyramidKV>{"pyramidkv", "SnapKV scores, per-layer budgets decreasing with depth (arXiv 2406.02069)"},
       Entry<ExpectedAttention>{"expected-attention",
-                               "attention the next 512 queries are expected to pay, times ||v|| (kvpress)"});
+                               "attention the next 512 queries are expected to pay, times ||v|| (kvpress)"},
+      Entry<H2O>{"h2o", "attention received from every query so far, plus the recent half (arXiv 2306.14048)"});
 }
 
 /// The bases of a composition Policy<Base, Selector> (their allocation and its defaults) and the selectors.
@@ -211,7 +216,7 @@ inline auto selectors() {
   return std::make_tuple(SelectorEntry<AttentionSelector>{"attention"}, SelectorEntry<CriticalSelector>{"critical"},
                          SelectorEntry<DefensiveSelector>{"defensive"}, SelectorEntry<KeyNormSelector>{"knorm"},
                          SelectorEntry<KeyDiffSelector>{"keydiff"},
-                         SelectorEntry<ExpectedAttentionSelector>{"expected"});
+                         SelectorEntry<ExpectedAttentionSelector>{"expected"}, SelectorEntry<H2OSelector>{"h2o"});
 }
 
 /// Calls f(entry) for every element of a tuple of entries, in order.

@@ -32,7 +32,7 @@ class Policy {
                 "HeadAdaptiveAllocation, PyramidAllocation, or a type meeting the Allocation contract of "
                 "docs/extending.md) or a scored "
                 "preset (SnapKV, AdaKV, PyramidKV, CriticalKV, CriticalSnapKV, DefensiveKV, AdaKVDefensive, "
-                "LayerDefensiveKV, TOVA, KNorm, KeyDiff); "
+                "LayerDefensiveKV, TOVA, KNorm, KeyDiff, ExpectedAttention, H2O); "
                 "StreamingLLM is positional and has no allocation to reuse");
   static_assert(detail::is_selector<Selector>::value,
                 "kvevict::Policy<Base, Selector>: Selector must meet the Selector contract (Params, Layer<S>, "

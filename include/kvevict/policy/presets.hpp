@@ -12,6 +12,7 @@
 #include "kvevict/selectors/critical_selector.hpp"
 #include "kvevict/selectors/defensive_selector.hpp"
 #include "kvevict/selectors/expected_attention_selector.hpp"
+#include "kvevict/selectors/h2o_selector.hpp"
 #include "kvevict/selectors/key_diff_selector.hpp"
 #include "kvevict/selectors/key_norm_selector.hpp"
 
@@ -136,6 +137,21 @@ class ExpectedAttention : public Policy<UniformAllocation, ExpectedAttentionSele
  public:
   static constexpr const char* type_name = "ExpectedAttention";
   explicit ExpectedAttention(const Params& p = Params{}) : Policy(p, type_name) {}
+};
+
+/// H2O (arXiv 2306.14048): each KV head keeps its heavy hitters, the entries that received the most attention from
+/// every query so far (LayerInputs::accumulated, carried by LayerBook::accumulate; the window's alone without it),
+/// and its most recent entries, half of the budget each (recent_share 0.5); window 1 (the last token), no pooling.
+class H2O : public Policy<UniformAllocation, H2OSelector> {
+ public:
+  static constexpr const char* type_name = "H2O";
+  struct Params : Policy::Params {
+    Params() {
+      window = 1;
+      kernel = 1;
+    }
+  };
+  explicit H2O(const Params& p = Params{}) : Policy(p, type_name) {}
 };
 
 }  // namespace KVEVICT_ABI_NAMESPACE

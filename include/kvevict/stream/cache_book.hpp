@@ -8,6 +8,10 @@
 ///     ... forward pass: write each layer's new K/V rows at [length(h) - c, length(h)) of head h ...
 ///     kvevict::evict_over_budget(policy, book, n, [&](Index l) { return inputs_of(l); },   // views + queries
 ///                                [&](Index l, const kvevict::Selection& s) { book.layer(l).apply(s, k(l), v(l)); });
+///
+/// For H2O the book also carries the attention each entry has received: after each forward pass, before evicting,
+/// book.layer(l).accumulate(step_inputs) (the step's c queries) or, from an engine's own softmax rows,
+/// book.layer(l).add_attention(h, sums, n).
 
 #include <algorithm>
 #include <cstdint>
@@ -20,12 +24,16 @@
 #include "kvevict/core/inputs.hpp"
 #include "kvevict/core/selection.hpp"
 #include "kvevict/core/views.hpp"
+#include "kvevict/observation/accumulated_attention.hpp"
 
 namespace kvevict {
+inline namespace KVEVICT_ABI_NAMESPACE {  // core/config.hpp: LayerBook::accumulate depends on KVEVICT_OPENMP
 
 /// One layer's bookkeeping: lengths [Hkv] and original positions [Hkv, capacity] of the entries each KV head holds
 /// in the engine's storage (keys and values [Hkv, capacity, d], either layout). Rows stay in ascending position
-/// order: appends go after each head's last entry, eviction compacts in place.
+/// order: appends go after each head's last entry, eviction compacts in place. Once something was accumulated
+/// (accumulate(), add_attention()), it also carries each entry's received attention [Hkv, capacity] (H2O,
+/// docs/algorithms.md section 2.10): 0 for new entries, compacted with them, attached by describe().
 class LayerBook {
  public:
   LayerBook() = default;
@@ -33,7 +41,8 @@ class LayerBook {
       : kv_heads_(kv_heads),
         capacity_(capacity),
         lengths_(static_cast<std::size_t>(kv_heads), 0),
-        positions_(static_cast<std::size_t>(kv_heads * capacity), 0) {
+        positions_(static_cast<std::size_t>(kv_heads * capacity), 0),
+        accumulated_(static_cast<std::size_t>(kv_heads * capacity), 0.0f) {
     detail::require(kv_heads >= 1 && capacity >= 1, "LayerBook", "needs kv_heads >= 1 and capacity >= 1, got ",
                     kv_heads, " and ", capacity);
   }
@@ -53,6 +62,34 @@ class LayerBook {
     return positions_[head(h) * static_cast<std::size_t>(capacity_) + static_cast<std::size_t>(j)];
   }
 
+  /// Whether entries carry received attention (something was accumulated since construction or clear()).
+  bool accumulates() const { return accumulates_; }
+  /// The attention each entry has received, [Hkv, capacity, 1] (entries beyond L_h are stale); 0 everywhere before
+  /// the first accumulate() or add_attention().
+  HeadsView<const float> accumulated() const {
+    return HeadsView<const float>::heads_major(accumulated_.data(), kv_heads_, capacity_, 1);
+  }
+  /// Adds the attention received from the step's queries (kvevict::accumulate_attention over this layer's entries):
+  /// `step` as any select() input (keys viewing the capacity rows) with the queries [H, c, d] of each head's last c
+  /// entries, or their softmax rows [H, c, >= L_h]. Throws kvevict::invalid_argument, changing nothing, on bad input.
+  template <class S = float, class KV, class Q, class W>
+  void accumulate(LayerInputs<KV, Q, W> step) {
+    step.lengths = lengths_.data();
+    step.positions = positions();
+    accumulate_attention<S>(step, HeadsView<float>::heads_major(accumulated_.data(), kv_heads_, capacity_, 1),
+                            "LayerBook::accumulate");
+    accumulates_ = true;
+  }
+  /// Adds sums[j] to the received attention of entry j of KV head h, j in [0, n): for an engine that computes the
+  /// softmax rows itself (sums = the step's rows summed over its queries, averaged over the G query heads of h).
+  void add_attention(Index h, const float* sums, Index n) {
+    detail::require(n >= 0 && n <= length(h), "LayerBook::add_attention", "n must be in [0, ", length(h),
+                    "] (the entries of KV head ", h, "), got ", n);
+    float* row = accumulated_.data() + head(h) * static_cast<std::size_t>(capacity_);
+    for (Index j = 0; j < n; ++j) row[j] += sums[j];
+    accumulates_ = true;
+  }
+
   /// Records n tokens at positions first .. first + n - 1 appended to every head (rows [L_h, L_h + n)). Throws
   /// kvevict::invalid_argument, changing nothing, if a head would exceed the capacity or the positions would not
   /// increase.
@@ -68,16 +105,19 @@ class LayerBook {
     }
     for (Index h = 0; h < kv_heads_; ++h) {
       std::int64_t* row = positions_.data() + head(h) * static_cast<std::size_t>(capacity_);
-      for (Index i = 0; i < n; ++i) row[length(h) + i] = first_position + i;
+      float* received = accumulated_.data() + head(h) * static_cast<std::size_t>(capacity_);
+      for (Index i = 0; i < n; ++i) row[length(h) + i] = first_position + i, received[length(h) + i] = 0.0f;
       lengths_[head(h)] += n;
     }
   }
 
-  /// `in` with this layer's lengths and positions attached (keys and values must view the capacity rows).
+  /// `in` with this layer's lengths and positions attached (keys and values must view the capacity rows), and the
+  /// received attention once the book accumulates.
   template <class KV, class Q, class W>
   LayerInputs<KV, Q, W> describe(LayerInputs<KV, Q, W> in) const {
     in.lengths = lengths_.data();
     in.positions = positions();
+    if (accumulates_) in.accumulated = accumulated();
     return in;
   }
 
@@ -101,11 +141,16 @@ class LayerBook {
     (selection.compact(rows, rows), ...);
     const HeadsView<std::int64_t> pos(positions_.data(), kv_heads_, capacity_, 1, capacity_, 1);
     selection.compact(pos, pos);
+    const HeadsView<float> received(accumulated_.data(), kv_heads_, capacity_, 1, capacity_, 1);
+    selection.compact(received, received);
     for (Index h = 0; h < kv_heads_; ++h) lengths_[head(h)] = selection.length(h);
   }
 
-  /// Empties every head (the capacity is kept).
-  void clear() { std::fill(lengths_.begin(), lengths_.end(), 0); }
+  /// Empties every head (the capacity is kept) and stops carrying received attention until the next accumulation.
+  void clear() {
+    std::fill(lengths_.begin(), lengths_.end(), 0);
+    accumulates_ = false;
+  }
 
  private:
   std::size_t head(Index h) const {
@@ -116,6 +161,8 @@ class LayerBook {
   Index kv_heads_ = 0, capacity_ = 0;
   std::vector<std::int64_t> lengths_;    // [Hkv]
   std::vector<std::int64_t> positions_;  // [Hkv, capacity]
+  std::vector<float> accumulated_;       // [Hkv, capacity], received attention (H2O)
+  bool accumulates_ = false;
 };
 
 /// A model's bookkeeping: one LayerBook per layer, the next token position, and the tokens appended since the last
@@ -182,4 +229,5 @@ class CacheBook {
   Index step_ = 0;
 };
 
+}  // namespace KVEVICT_ABI_NAMESPACE
 }  // namespace kvevict
