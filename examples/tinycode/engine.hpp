@@ -331,7 +331,7 @@ class Engine {
             row.tail(visible_end - visible).setZero();
           }
           attn.block(b0, qh * d, bn, d).noalias() = scores * values.topRows(visible_end);
-          received.head(visible_end) += scores.colwise().sum();
+          for (Index i = 0; i < bn; ++i) received.head(visible_end) += scores.row(i);  // rows are contiguous
         }
       }
       received /= static_cast<float>(group);  // the mean over the group's query heads
