@@ -23,6 +23,7 @@
 // (and x_floors_f32): the same ratio to the f32 floors. The "-l1" rows of CriticalSelector policies prune the value
 // term (the default): computed = fraction of the scored entries whose term was computed, x_unpruned = the unpruned
 // path's time / time and same_as_unpruned = 1 when it keeps the same tokens (both measured in this run).
+// "h2o-carried" is H2O selecting from received attention an engine carries (LayerInputs::accumulated).
 // Built with KVEVICT_OPENMP, the library (and Eigen's floor GEMMs) run on OpenMP threads, and x_threads = one
 // thread's time / time.
 
@@ -93,7 +94,7 @@ std::vector<float> peaked_attention(const Model& m, Index L) {
 
 template <class T, class Policy>
 void run_policy(benchmark::State& state, const Model& m, const Policy& policy, bool precomputed_gram,
-                bool peaked = false) {
+                bool peaked = false, bool carried = false) {
   const Index L = state.range(0);
   const double keep = static_cast<double>(state.range(1)) / 100.0;
   const auto budget = kvevict::Budget::keep_ratio(keep);
@@ -105,6 +106,15 @@ void run_policy(benchmark::State& state, const Model& m, const Policy& policy, b
       layer.in.queries = {};
       layer.in.attention = kvevict::HeadsView<const float>::heads_major(attention.data(), m.H, kWindow, L);
     }
+  }
+  // H2O's received attention carried across steps by the engine (LayerInputs::accumulated [Hkv, L, 1]).
+  std::vector<float> received;
+  if (carried) {
+    std::mt19937 rng(7);
+    std::uniform_real_distribution<float> u(0.0f, 4.0f);
+    received.resize(static_cast<std::size_t>(m.Hkv * L));
+    for (float& x : received) x = u(rng);
+    layer.in.accumulated = kvevict::HeadsView<const float>::heads_major(received.data(), m.Hkv, L, 1);
   }
   // The engine's per-layer W_o^T W_o, made once at model load (LayerInputs::w_o_gram), outside the timing.
   const auto gram = kvevict::OutputGram<kvevict::gram_scalar_t<activation_t<T>>>::compute(layer.in.w_o);
@@ -293,11 +303,11 @@ void policy_args(benchmark::internal::Benchmark* b, Index max_L) {
 /// BM_<row>/<storage>/<model>: `policy` on storage T.
 template <class T, class Policy>
 void register_policy(const std::string& row, const Model& m, const Policy& policy, Index max_L,
-                     bool precomputed_gram = false, bool peaked = false) {
+                     bool precomputed_gram = false, bool peaked = false, bool carried = false) {
   const std::string name = "BM_" + row + "/" + storage_name<T>() + "/" + m.name;
   policy_args(benchmark::RegisterBenchmark(name.c_str(),
-                                           [m, policy, precomputed_gram, peaked](benchmark::State& s) {
-                                             run_policy<T>(s, m, policy, precomputed_gram, peaked);
+                                           [m, policy, precomputed_gram, peaked, carried](benchmark::State& s) {
+                                             run_policy<T>(s, m, policy, precomputed_gram, peaked, carried);
                                            }),
               max_L);
 }
@@ -333,6 +343,10 @@ void register_all() {
       if constexpr (std::is_base_of_v<kvevict::CriticalSelector::Params,
                                       typename std::decay_t<decltype(entry.make())>::Params>)
         register_policy<float>(name + "-l1-peaked", mm, entry.make(l1), 32768, false, /*peaked=*/true);
+    });
+    // H2O from the scores an engine carries across steps (the catalogue row scores the window's attention).
+    visit_entry("h2o", [&](const auto& entry) {
+      register_policy<float>("h2o-carried", mm, entry.make(), 65536, false, false, /*carried=*/true);
     });
     // Other storage types: the attention-only paths (snapkv, adakv) and a value-aware one (defensivekv-l2).
     for (std::string_view row : {"snapkv", "adakv"})
