@@ -227,6 +227,16 @@ TEST_CASE("every scored preset works as the base of Policy<Base, Selector>, with
   CHECK(kvevict::Policy<kvevict::AdaKV, kvevict::CriticalSelector>{}.params().alpha == 0.2);
 }
 
+namespace {
+struct WrongSelect : kvevict::KeyNormSelector {  // a select() the policy would never call
+  void select() const {}
+};
+struct WrongTemplateSelect : kvevict::KeyNormSelector {
+  template <class S>
+  void select(const Layer<S>&, kvevict::extend::KeepFlags&) const {}
+};
+}  // namespace
+
 TEST_CASE("the contracts: what may be a Base, a Selector or an Allocation", "[catalogue][composition]") {
   using namespace kvevict;
   STATIC_REQUIRE(detail::is_allocation<UniformAllocation>::value);
@@ -237,6 +247,12 @@ TEST_CASE("the contracts: what may be a Base, a Selector or an Allocation", "[ca
   STATIC_REQUIRE(detail::is_selector<DefensiveSelector>::value);
   STATIC_REQUIRE_FALSE(detail::is_selector<int>::value);
   STATIC_REQUIRE_FALSE(detail::is_selector<UniformAllocation>::value);
+  // select() is optional (each head's top of `allocation` by default), but one with another signature is an error.
+  STATIC_REQUIRE(detail::has_select<CriticalSelector>::value);
+  STATIC_REQUIRE_FALSE(detail::has_select<AttentionSelector>::value);
+  STATIC_REQUIRE(detail::is_selector<H2OSelector>::value);
+  STATIC_REQUIRE_FALSE(detail::is_selector<WrongSelect>::value);
+  STATIC_REQUIRE_FALSE(detail::is_selector<WrongTemplateSelect>::value);
   STATIC_REQUIRE(detail::base_traits<SnapKV>::valid);
   STATIC_REQUIRE(detail::base_traits<DefensiveKV>::valid);
   STATIC_REQUIRE(detail::base_traits<AdaKVDefensive>::valid);

@@ -64,10 +64,7 @@ struct KeyNormSelector {
     return layer;
   }
 
-  template <class S>
-  void select(const Layer<S>& layer, const std::vector<Index>& budgets, ext::KeepFlags& keep) const {
-    ext::select_top_per_head(layer.allocation, budgets, keep);  // head h: its top budgets[h] entries (2.7 order)
-  }
+  // No select(): each head keeps its top budgets[h] entries of `allocation` (section 2.7 order).
 
  private:
   Params params_;
@@ -153,7 +150,7 @@ using KeyNormLayerGlobal = kvevict::LayerGlobalPolicy<mylab::KeyNormSelector>;  
 // A selector whose select() has the wrong signature, and an allocation whose allocate() returns the wrong type,
 // fail at compile time with
 //   error: static assertion failed: kvevict::Policy<Base, Selector>: Selector must meet the Selector contract
-//          (Params, Layer<S>, adjust_budget, score<S>, select; see selectors/selector.hpp): AttentionSelector,
+//          (Params, Layer<S>, adjust_budget, score<S>, select if any; see selectors/selector.hpp): AttentionSelector,
 //          CriticalSelector, DefensiveSelector, or your own
 //   error: static assertion failed: kvevict::Policy<Base, Selector>: Base must be an allocation (UniformAllocation,
 //          HeadAdaptiveAllocation, or a type meeting the Allocation contract of docs/extending.md) or a scored

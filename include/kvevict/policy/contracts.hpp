@@ -71,6 +71,32 @@ struct is_scheduled : std::false_type {};
 template <class P>
 struct is_scheduled<P, std::void_t<typename P::Allocation>> : schedules_budget<typename P::Allocation> {};
 
+/// Whether a Selector has its own selection phase
+///   template <class S> void select(const Layer<S>&, const std::vector<Index>& budgets, KeepFlags& keep) const;
+/// (CriticalSelector's two stages); without one each head keeps its top budgets[h] entries of `allocation`.
+template <class T, class = void>
+struct has_select : std::false_type {};
+template <class T>
+struct has_select<T, std::void_t<decltype(std::declval<const T&>().select(
+                         std::declval<const typename T::template Layer<float>&>(),
+                         std::declval<const std::vector<Index>&>(), std::declval<extend::KeepFlags&>()))>>
+    : std::true_type {};
+
+/// Whether T names a member `select` at all (a function or a function template): one whose signature is not
+/// has_select's is a mistake, not "no select".
+template <class T, class = void>
+struct names_plain_select : std::false_type {};
+template <class T>
+struct names_plain_select<T, std::void_t<decltype(&T::select)>> : std::true_type {};
+template <class T, class = void>
+struct names_template_select : std::false_type {};
+template <class T>
+struct names_template_select<T, std::void_t<decltype(&T::template select<float>)>> : std::true_type {};
+template <class T>
+constexpr bool select_is_valid() {
+  return has_select<T>::value || !(names_plain_select<T>::value || names_template_select<T>::value);
+}
+
 /// A Selector (selectors/selector.hpp documents each member); score<S>() must return Layer<S>.
 template <class T, class = void>
 struct is_selector : std::false_type {};
@@ -84,15 +110,22 @@ struct is_selector<
                    decltype(std::declval<const T&>().template score<float>(
                        std::declval<const LayerInputs<float>&>(), std::declval<const extend::LayerShape&>(),
                        std::declval<const CommonParams&>(), std::declval<const extend::LayerBudget&>(), "")),
-                   decltype(std::declval<const T&>().select(std::declval<const typename T::template Layer<float>&>(),
-                                                            std::declval<const std::vector<Index>&>(),
-                                                            std::declval<extend::KeepFlags&>()))>>
+                   decltype(std::declval<const typename T::template Layer<float>&>().allocation)>>
     : std::bool_constant<
-          std::is_constructible_v<T, const typename T::Params&> &&
+          std::is_constructible_v<T, const typename T::Params&> && select_is_valid<T>() &&
           std::is_same_v<decltype(std::declval<const T&>().template score<float>(
                              std::declval<const LayerInputs<float>&>(), std::declval<const extend::LayerShape&>(),
                              std::declval<const CommonParams&>(), std::declval<const extend::LayerBudget&>(), "")),
                          typename T::template Layer<float>>> {};
+
+/// The selection phase of `selector` on `layer`: its select(), or extend::select_top_per_head of the allocation.
+template <class Sel, class L>
+void select_kept(const Sel& selector, const L& layer, const std::vector<Index>& budgets, extend::KeepFlags& keep) {
+  if constexpr (has_select<Sel>::value)
+    selector.select(layer, budgets, keep);
+  else
+    extend::select_top_per_head(layer.allocation, budgets, keep);
+}
 
 /// A Selector that can rank by upper bounds and refine them (CriticalSelector's pruned L1 term):
 ///   template <class S, class In> Layer<S> score_bounded(in, shape, common, budget, where) const;

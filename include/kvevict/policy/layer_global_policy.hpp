@@ -24,10 +24,11 @@ namespace kvevict {
 /// with its budgets. Immutable after construction; plan() objects are per call.
 template <class Selector>
 class LayerGlobalPolicy {
-  static_assert(detail::is_selector<Selector>::value,
-                "kvevict::LayerGlobalPolicy<Selector>: Selector must meet the Selector contract (Params, Layer<S>, "
-                "adjust_budget, score<S>, select; see selectors/selector.hpp): AttentionSelector, CriticalSelector, "
-                "DefensiveSelector, or your own");
+  static_assert(
+      detail::is_selector<Selector>::value,
+      "kvevict::LayerGlobalPolicy<Selector>: Selector must meet the Selector contract (Params, Layer<S>, "
+      "adjust_budget, score<S>, select if any; see selectors/selector.hpp): AttentionSelector, CriticalSelector, "
+      "DefensiveSelector, or your own");
   using checked_selector = std::conditional_t<detail::is_selector<Selector>::value, Selector, AttentionSelector>;
 
  public:
@@ -93,7 +94,7 @@ class LayerGlobalPolicy {
       std::vector<Selection> out;
       extend::KeepFlags keep;
       for (std::size_t l = 0; l < layers_.size(); ++l) {
-        policy_.selector_.select(layers_[l], budgets[l], keep);
+        detail::select_kept(policy_.selector_, layers_[l], budgets[l], keep);
         out.push_back(Selection::from_flags(keep, shape(l)));
       }
       return out;
@@ -159,7 +160,7 @@ class LayerGlobalPolicy {
       std::vector<Selection> out(layers_.size());
       extend::KeepFlags keep;
       for (std::size_t u = 0; u < units.size(); ++u) {
-        policy_.selector_.select(units[u], budgets[u], keep);
+        detail::select_kept(policy_.selector_, units[u], budgets[u], keep);
         for (std::size_t i = 0; i < scope_layers[u].size(); ++i) {
           const std::size_t l = scope_layers[u][i];
           const extend::LayerShape s = shape(l);

@@ -34,10 +34,11 @@ class Policy {
                 "preset (SnapKV, AdaKV, PyramidKV, CriticalKV, CriticalSnapKV, DefensiveKV, AdaKVDefensive, "
                 "LayerDefensiveKV, TOVA, KNorm, KeyDiff, ExpectedAttention, H2O); "
                 "StreamingLLM is positional and has no allocation to reuse");
-  static_assert(detail::is_selector<Selector>::value,
-                "kvevict::Policy<Base, Selector>: Selector must meet the Selector contract (Params, Layer<S>, "
-                "adjust_budget, score<S>, select; see selectors/selector.hpp): AttentionSelector, CriticalSelector, "
-                "DefensiveSelector, or your own");
+  static_assert(
+      detail::is_selector<Selector>::value,
+      "kvevict::Policy<Base, Selector>: Selector must meet the Selector contract (Params, Layer<S>, "
+      "adjust_budget, score<S>, select if any; see selectors/selector.hpp): AttentionSelector, CriticalSelector, "
+      "DefensiveSelector, or your own");
   // Past a failed static_assert, stand-ins keep the compiler from adding pages of follow-up errors.
   using checked_selector = std::conditional_t<detail::is_selector<Selector>::value, Selector, AttentionSelector>;
 
@@ -187,7 +188,7 @@ class Policy {
     for (;;) {
       typename SelectorType::template Layer<S> trial = s.layer;  // the allocation may promote entries of its map
       const std::vector<Index> budgets = allocation_.allocate(trial.allocation, s.budget);
-      selector_.select(trial, budgets, keep);
+      detail::select_kept(selector_, trial, budgets, keep);
       if (!selector_.refine(s.layer, trial, budgets, keep, in, s.shape)) return Selection::from_flags(keep, s.shape);
     }
   }
@@ -222,7 +223,7 @@ class Policy {
     extend::KeepFlags keep;
     if (params_.per_head_tokens()) {
       const std::vector<Index> budgets = allocation_.allocate(s.layer.allocation, s.budget);
-      selector_.select(s.layer, budgets, keep);
+      detail::select_kept(selector_, s.layer, budgets, keep);
       return Selection::from_flags(keep, s.shape);
     }
     const extend::Grouping grouping =
@@ -264,7 +265,7 @@ class Policy {
     L units = detail::unit_layer<SelectorType>(layers, grouping, params_.reduce);
     const extend::LayerBudget budget = extend::unit_budget(tokens, grouping, scope.front()->where.c_str());
     const std::vector<Index> budgets = allocation_.allocate(units.allocation, budget);
-    selector_.select(units, budgets, keep);
+    detail::select_kept(selector_, units, budgets, keep);
     return units.allocation.tokens;
   }
 

@@ -39,11 +39,6 @@ struct AttentionSelector {
     layer.allocation.require_finite(where);
     return layer;
   }
-
-  template <class S>
-  void select(const Layer<S>& layer, const std::vector<Index>& budgets, extend::KeepFlags& keep) const {
-    extend::select_top_per_head(layer.allocation, budgets, keep);
-  }
 };
 
 }  // namespace KVEVICT_ABI_NAMESPACE

@@ -105,11 +105,6 @@ struct DefensiveSelector {
     return layer;
   }
 
-  template <class S>
-  void select(const Layer<S>& layer, const std::vector<Index>& budgets, extend::KeepFlags& keep) const {
-    extend::select_top_per_head(layer.allocation, budgets, keep);
-  }
-
  private:
   /// scores(h, j) *= N[h][j] / (sum of N over the KV heads whose prefix holds the same position), 0 when that sum
   /// is 0 (docs/algorithms.md sections 2.4 and 6; on a dense layer the sum is the column's, in head order).

@@ -135,11 +135,6 @@ struct ExpectedAttentionSelector {
     return layer;
   }
 
-  template <class S>
-  void select(const Layer<S>& layer, const std::vector<Index>& budgets, extend::KeepFlags& keep) const {
-    extend::select_top_per_head(layer.allocation, budgets, keep);
-  }
-
  private:
   /// Rbar's pairs: the means of cos(t inv_i) and sin(t inv_i) over t in [first, first + future_positions), in double.
   template <class S>

@@ -69,11 +69,6 @@ struct H2OSelector {
     return layer;
   }
 
-  template <class S>
-  void select(const Layer<S>& layer, const std::vector<Index>& budgets, extend::KeepFlags& keep) const {
-    extend::select_top_per_head(layer.allocation, budgets, keep);
-  }
-
  private:
   template <class In>
   static bool has_accumulated(const In& in) {

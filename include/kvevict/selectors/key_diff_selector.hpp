@@ -55,11 +55,6 @@ struct KeyDiffSelector {
     layer.allocation.require_finite(where);
     return layer;
   }
-
-  template <class S>
-  void select(const Layer<S>& layer, const std::vector<Index>& budgets, extend::KeepFlags& keep) const {
-    extend::select_top_per_head(layer.allocation, budgets, keep);
-  }
 };
 
 }  // namespace kvevict

@@ -19,8 +19,9 @@
 ///       safeguard). Errors go through detail::require(ok, where, ...) so that they name the policy.
 ///   template <class S>
 ///   void select(const Layer<S>&, const std::vector<Index>& budgets, KeepFlags& keep) const;
-///       selection phase: sizes keep to [kv_heads, tokens] and clears it (it arrives empty or holding another
-///       layer's flags), then flags exactly budgets[h] tokens of every KV head h
+///       optional selection phase (CriticalSelector's two stages): sizes keep to [kv_heads, tokens] and clears it
+///       (it arrives empty or holding another layer's flags), then flags exactly budgets[h] tokens of every KV head
+///       h. Without it each head keeps its top budgets[h] of `allocation` (extend::select_top_per_head)
 ///   template <class L> static auto score_maps(L& layer);   // only if Layer<S> holds maps besides `allocation`
 ///       std::tie of every ScoreMap<S> of the Layer, `allocation` first: section 8's sharing and blocks convert
 ///       each of them to units (docs/algorithms.md section 8), so select() then works on groups and blocks
