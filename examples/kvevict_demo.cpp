@@ -124,6 +124,17 @@ const std::vector<PolicyEntry>& all_policies() {
     list.push_back(entry("layer+expected", "layer", {}, true, "expected"));
     // H2O's received attention (the whole prompt's, then every later query's) under one budget across layers.
     list.push_back(entry("layer+h2o", "layer", last_token, true, "h2o"));
+    // OpenDefensiveKV's ablation: each of its parts removed in turn (pooled again, the whole window kept again, no
+    // value term, no mass forcing, no floor); layer-defensivekv is both of its changes removed.
+    kvevict::Knobs pooled, closed, open_no_floor;
+    pooled.kernel = 5;
+    closed.open_window = false;
+    open_no_floor.floor = false;
+    list.push_back(entry("open-defensivekv+pooled", "open-defensivekv", pooled, true));
+    list.push_back(entry("open-defensivekv+window", "open-defensivekv", closed, true));
+    list.push_back(entry("open-defensivekv-no-value", "open-defensivekv", no_value, true));
+    list.push_back(entry("open-defensivekv-no-mass", "open-defensivekv", no_mass, true));
+    list.push_back(entry("open-defensivekv-no-floor", "open-defensivekv", open_no_floor, true));
     return list;
   }();
   return policies;

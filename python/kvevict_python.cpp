@@ -332,7 +332,8 @@ PYBIND11_MODULE(kvevict, m) {
       "select_layers(policy, [dict(keys=..., ...), ...], keep=0.1, **options) -> [Selection]\n"
       "Options are kvevict-select's, in snake_case (window, pool, kernel, alpha, adakv_variant, beta, sinks, "
       "rope_theta, rotary_dim, rope_layout, future_positions, no_covariance, recent_share, precision, "
-      "reference_quirks, share, reduce, block, eps, first_stage_ratio, value_norm, mass_threshold, no_floor, base, "
+      "reference_quirks, share, reduce, block, eps, first_stage_ratio, value_norm, mass_threshold, no_floor, "
+      "open_window, base, "
       "selector). See docs/python.md.";
   m.attr("__version__") = kvevict_version();
 

@@ -70,7 +70,7 @@ TEST_CASE("catalogue: every entry is named once and makes its preset with the pr
   CHECK_FALSE(kvevict::catalogue::visit("nosuch", [](const auto&) {}));
   CHECK(kvevict::catalogue::names(kvevict::catalogue::entries())
             .rfind("streamingllm, snapkv, adakv, criticalkv, criticalkv-snapkv, defensivekv, layer-defensivekv, "
-                   "adakv-defensive, tova, knorm, keydiff, pyramidkv, expected-attention, h2o",
+                   "adakv-defensive, tova, knorm, keydiff, pyramidkv, expected-attention, h2o, open-defensivekv",
                    0) == 0);
 }
 
@@ -103,7 +103,10 @@ TEST_CASE("catalogue: budget scopes, knob lists and knobs applied", "[catalogue]
                  BudgetScope::model);
   CHECK(kvevict::knob_names<kvevict::LayerDefensiveKV::Params>() ==
         Names{"share", "reduce", "block", "window", "pooling", "kernel", "reference_quirks", "mass_threshold",
-              "value_norm", "floor", "value_term", "mass_forcing"});
+              "value_norm", "floor", "value_term", "mass_forcing", "open_window"});
+  CHECK(kvevict::knob_names<kvevict::OpenDefensiveKV::Params>() ==
+        kvevict::knob_names<kvevict::LayerDefensiveKV::Params>());
+  STATIC_REQUIRE(kvevict::budget_scope<kvevict::OpenDefensiveKV>() == BudgetScope::model);
 
   kvevict::Knobs k;
   k.window = 8;

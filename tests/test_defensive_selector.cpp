@@ -50,21 +50,7 @@ using DefensiveSnapKV = kvevict::Policy<kvevict::SnapKV, kvevict::DefensiveSelec
 // Mass forcing (the numbers of test_mass_forcing.cpp): corrected window bias 9/32, threshold .9 -> tau .61875:
 // KV 0 forces {1} (its s' is only 1.25: the value term says evict, the attention mass says keep), KV 1 forces {7};
 // threshold 1.0 -> KV 0 {1, 5}. Quirk window bias 11/32 -> tau .55625: {1} and {7} as well.
-const std::vector<std::vector<double>> kRows = {
-    {1, 10, 2, 3, 0, 4, 1, 2, 9, 0, 0, 0},
-    {1, 10, 0, 1, 0, 8, 3, 0, 9, 0, 0, 0},
-    {6, 0, 0, 0, 0, 0, 0, 16, 10, 0, 0, 0},
-    {10, 0, 4, 0, 0, 0, 6, 4, 8, 0, 0, 0},
-};
-const Shape kShape{4, 2, 4, 12, 1};
-
-kvevict_test::HandLayer& hand_layer() {
-  static kvevict_test::HandLayer layer(kShape, kvevict_test::repeated_rows(kRows, 4, 32.0),
-                                       {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,   // KV 0 values
-                                        3, 7, 1, 1, 1, 1, 3, 1, 1, 1, 1, 1},  // KV 1 values
-                                       {1, 1, 1, 1});
-  return layer;
-}
+kvevict_test::HandLayer& hand_layer() { return kvevict_test::defensive_hand_layer(); }
 
 template <class P>
 P hand_policy(bool quirks, bool floor = true, bool value_term = true, bool mass_forcing = true,

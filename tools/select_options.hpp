@@ -111,6 +111,7 @@ inline std::string usage_text() {
          "  --value-norm l1|l2        value term norm (default l1; l2 uses the W_o Gram matrix, O(L d^2))\n"
          "  --mass-threshold T        DefensiveKV cumulative mass threshold (default 0.9)\n"
          "  --no-floor                DefensiveKV without the adaptive prior floor (ablation)\n"
+         "  --open-window             DefensiveKV: score the window's tokens too, keep only the newest first\n"
          "input per layer i: layers.{i}.q_window [H,w,d] or layers.{i}.window_attention [H,w,L] (not for the\n"
          "key-only knorm, keydiff and streamingllm), layers.{i}.keys [Hkv,L,d], layers.{i}.values [Hkv,L,d],\n"
          "layers.{i}.w_o [D,H*d] (value-aware selectors); F64/F32/F16/BF16.\n"
@@ -173,7 +174,7 @@ class OptionSet {
   /// Whether the option takes no value on the command line (the APIs give it a boolean: "1"/"true", "0"/"false").
   static bool is_flag(const std::string& name) {
     const std::string n = canonical(name);
-    return n == "reference-quirks" || n == "no-floor" || n == "no-covariance";
+    return n == "reference-quirks" || n == "no-floor" || n == "no-covariance" || n == "open-window";
   }
 
   /// Whether `name` is an option (in either spelling).
@@ -292,6 +293,8 @@ class OptionSet {
       if (block < 1) throw usage_error(flag + " must be >= 1, got " + v);
     } else if (a == "no-floor") {
       if (parse_bool(flag, v)) o.knobs.floor = false;
+    } else if (a == "open-window") {
+      o.knobs.open_window = parse_bool(flag, v);
     } else {
       throw usage_error("unknown option '" + raw_name + "'" +
                         (spelling_ == Spelling::command_line ? "" : " (expected one of " + option_names() + ")"));
@@ -379,7 +382,8 @@ class OptionSet {
                                                  "first-stage-ratio",
                                                  "value-norm",
                                                  "mass-threshold",
-                                                 "no-floor"};
+                                                 "no-floor",
+                                                 "open-window"};
     return all;
   }
   std::string option_names() const {

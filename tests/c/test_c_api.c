@@ -214,7 +214,7 @@ static kvevict_selection* select_ok(const kvevict_policy* p, kvevict_budget b, c
 
 /* policies whose budget is the model's: layer-global ones, and pyramidkv (each layer's share of it) */
 static int is_layer_global(const char* name) {
-  return strncmp(name, "layer", 5) == 0 || strcmp(name, "pyramidkv") == 0;
+  return strncmp(name, "layer", 5) == 0 || strcmp(name, "pyramidkv") == 0 || strcmp(name, "open-defensivekv") == 0;
 }
 
 static void test_every_policy(void) {

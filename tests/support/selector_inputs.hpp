@@ -398,6 +398,23 @@ inline std::vector<double> repeated_rows(const std::vector<std::vector<double>>&
   return attn;
 }
 
+/// The hand-worked DefensiveKV layer (tests/test_defensive_selector.cpp works its numbers out; the open window's
+/// are in tests/test_open_window.cpp): H = 4, Hkv = 2, w = 4, L = 12, head_dim 1, W_o = [1 1 1 1] (so N = |v|),
+/// attention in units of 1/32, every window row of a query head the same, the window's mass all on key 8.
+inline HandLayer& defensive_hand_layer() {
+  static const std::vector<std::vector<double>> rows = {
+      {1, 10, 2, 3, 0, 4, 1, 2, 9, 0, 0, 0},
+      {1, 10, 0, 1, 0, 8, 3, 0, 9, 0, 0, 0},
+      {6, 0, 0, 0, 0, 0, 0, 16, 10, 0, 0, 0},
+      {10, 0, 4, 0, 0, 0, 6, 4, 8, 0, 0, 0},
+  };
+  static HandLayer layer(Shape{4, 2, 4, 12, 1}, repeated_rows(rows, 4, 32.0),
+                         {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,   // KV 0 values
+                          3, 7, 1, 1, 1, 1, 3, 1, 1, 1, 1, 1},  // KV 1 values
+                         {1, 1, 1, 1});
+  return layer;
+}
+
 }  // namespace kvevict_test
 
 #endif  // KVEVICT_TESTS_SUPPORT_SELECTOR_INPUTS_HPP

@@ -47,6 +47,7 @@ struct Knobs {
   std::optional<ValueNorm> value_norm;                           // CriticalSelector, DefensiveSelector
   std::optional<double> mass_threshold;                          // DefensiveSelector
   std::optional<bool> floor, value_term, mass_forcing;           // DefensiveSelector (value_term: also Expected)
+  std::optional<bool> open_window;                               // DefensiveSelector
   std::optional<double> rope_theta;                              // ExpectedAttentionSelector
   std::optional<Index> rotary_dim, future_positions;             // ExpectedAttentionSelector
   std::optional<RopeLayout> rope_layout;                         // ExpectedAttentionSelector
@@ -87,6 +88,7 @@ void for_each_knob(K& k, F&& f) {
     f("floor", k.floor, &DefensiveSelector::Params::floor);
     f("value_term", k.value_term, &DefensiveSelector::Params::value_term);
     f("mass_forcing", k.mass_forcing, &DefensiveSelector::Params::mass_forcing);
+    f("open_window", k.open_window, &DefensiveSelector::Params::open_window);
   }
   if constexpr (std::is_base_of_v<ExpectedAttentionSelector::Params, Params>) {
     using E = ExpectedAttentionSelector::Params;
@@ -196,7 +198,9 @@ inline auto entries() {
       Entry<PyramidKV>{"pyramidkv", "SnapKV scores, per-layer budgets decreasing with depth (arXiv 2406.02069)"},
       Entry<ExpectedAttention>{"expected-attention",
                                "attention the next 512 queries are expected to pay, times ||v|| (kvpress)"},
-      Entry<H2O>{"h2o", "attention received from every query so far, plus the recent half (arXiv 2306.14048)"});
+      Entry<H2O>{"h2o", "attention received from every query so far, plus the recent half (arXiv 2306.14048)"},
+      Entry<OpenDefensiveKV>{"open-defensivekv",
+                             "ours: Layer-DefensiveKV unpooled, the window's tokens scored instead of kept"});
 }
 
 /// The bases of a composition Policy<Base, Selector> (their allocation and its defaults) and the selectors.

@@ -154,5 +154,21 @@ class H2O : public Policy<UniformAllocation, H2OSelector> {
   explicit H2O(const Params& p = Params{}) : Policy(p, type_name) {}
 };
 
+/// OpenDefensiveKV (ours, docs/algorithms.md section 2.11): Layer-DefensiveKV (one budget across layers, worst-case
+/// aggregation with the prior floor, L1 value term, mass forcing) with two changes: no pooling (kernel 1), and an
+/// open window: the 32 window queries are observed as before, but the window's own tokens compete by the same score
+/// instead of being kept, and only each head's newest entry is kept unconditionally.
+class OpenDefensiveKV : public LayerGlobalPolicy<DefensiveSelector> {
+ public:
+  static constexpr const char* type_name = "OpenDefensiveKV";
+  struct Params : LayerGlobalPolicy::Params {
+    Params() {
+      kernel = 1;
+      open_window = true;
+    }
+  };
+  explicit OpenDefensiveKV(const Params& p = Params{}) : LayerGlobalPolicy(p, type_name) {}
+};
+
 }  // namespace KVEVICT_ABI_NAMESPACE
 }  // namespace kvevict

@@ -22,6 +22,10 @@ inline namespace KVEVICT_ABI_NAMESPACE {  // core/config.hpp: code that depends 
 /// score (exact ties go to the more recent token), the window bias is the reference's, the cap is
 /// int(P (1 - cr) - w) (negative: all but the last |cap|) and the flat totals are int(L (1 - cr) Hkv) per layer.
 /// `value_term = false` and `mass_forcing = false` give the paper's ablation (the defensive aggregation alone).
+/// `open_window` (ours, docs/algorithms.md section 2.11): the window's tokens are scored like the prefix (their
+/// attention from the later window queries, unpooled, floored at the prefix mean, value-weighted) and only each
+/// head's most recent entry is kept first (under reference_quirks it carries the layer maximum, as the window does);
+/// the window is still observed whole and the mass forcing is unchanged.
 struct DefensiveSelector {
   static constexpr const char* type_name = "DefensiveSelector";
   struct Params {
@@ -30,6 +34,7 @@ struct DefensiveSelector {
     bool value_term = true;                ///< weight by the normalised value norm
     bool mass_forcing = true;              ///< force each head's cumulative-mass tokens
     bool floor = true;                     ///< adaptive prior floor at the head mean (false: ablation)
+    bool open_window = false;              ///< score the window's tokens; keep only the newest first (ours)
     void validate(const char* where) const {
       detail::require(std::isfinite(mass_threshold) && mass_threshold >= 0.0 && mass_threshold <= 1.0, where,
                       "mass_threshold must be in [0, 1], got ", mass_threshold);
@@ -59,21 +64,24 @@ struct DefensiveSelector {
                  const extend::LayerBudget& budget, const char* where) const {
     if (params_.value_term) extend::validate_value_inputs(in, shape, params_.value_norm, where);
     const auto obs = extend::observe<S>(in, shape, where);
-    extend::DefensiveAggregator<S> aggregation(shape, common.kernel, common.pooling, params_.floor);
+    extend::DefensiveAggregator<S> aggregation(shape, common.kernel, common.pooling, params_.floor,
+                                               params_.open_window);
     extend::MassStatistics<S> mass(shape, common.reference_quirks);
     obs.for_each_head([&](Index q, const RowMatrix<S>& rows) {
       aggregation.add(q, rows);
       if (params_.mass_forcing) mass.add(q, rows);
     });
-    RowMatrix<S> scores = aggregation.finish();  // M [Hkv, P]
+    RowMatrix<S> scores = aggregation.finish();  // M [Hkv, P] ([Hkv, L] with an open window)
     if (params_.value_term) {
       OutputGram<S> scratch;
       const OutputGram<S>* gram = params_.value_norm == ValueNorm::l2 ? &extend::output_gram<S>(in, scratch) : nullptr;
       weight_by_normalised_values(
-          scores, extend::value_norms<S>(in.values, in.w_o, shape, params_.value_norm, gram, in.values_scale), shape);
+          scores, extend::value_norms<S>(in.values, in.w_o, shape, params_.value_norm, gram, in.values_scale), shape,
+          params_.open_window);
     }
 
-    Layer<S> layer{extend::ScoreMap<S>::with_window(scores, shape)};
+    Layer<S> layer{params_.open_window ? open_window_map(scores, shape)
+                                       : extend::ScoreMap<S>::with_window(scores, shape)};
     layer.allocation.require_finite(where);
     std::vector<std::vector<Index>> forced(static_cast<std::size_t>(shape.kv_heads));
     if (params_.mass_forcing) {
@@ -91,29 +99,51 @@ struct DefensiveSelector {
       for (Index h = 0; h < shape.kv_heads; ++h)
         for (Index j : forced[static_cast<std::size_t>(h)]) layer.allocation.promote(h, j, extend::Tier::forced);
     } else {
-      // Reference: forced tokens and the window carry the layer maximum of s', then one top-k in the section 2.7
-      // order (a scored token that ties the maximum and is more recent displaces a forced one when they all tie).
-      const S layer_max = extend::max_prefix_score(scores, shape);
-      for (Index h = 0; h < shape.kv_heads; ++h) {
-        for (Index j : forced[static_cast<std::size_t>(h)]) layer.allocation.at(h, j) = layer_max;
-        for (Index j = shape.prefix_of(h); j < shape.length(h); ++j) {
-          layer.allocation.tier[layer.allocation.flat(h, j)] = extend::Tier::scored;
-          layer.allocation.at(h, j) = layer_max;
+      // Reference: forced tokens and the window (an open window's newest entries) carry the layer maximum of the
+      // scored s', then one top-k in the section 2.7 order (a scored token that ties the maximum and is more recent
+      // displaces a forced one when they all tie).
+      auto& map = layer.allocation;
+      S layer_max = S(0);
+      bool any = false;
+      for (std::size_t f = 0; f < map.score.size(); ++f)
+        if (map.tier[f] == extend::Tier::scored && (!any || map.score[f] > layer_max)) {
+          layer_max = map.score[f];
+          any = true;
         }
+      for (Index h = 0; h < shape.kv_heads; ++h) {
+        for (Index j : forced[static_cast<std::size_t>(h)]) map.at(h, j) = layer_max;
+        for (Index j = 0; j < shape.length(h); ++j)
+          if (map.tier[map.flat(h, j)] == extend::Tier::window) {
+            map.tier[map.flat(h, j)] = extend::Tier::scored;
+            map.at(h, j) = layer_max;
+          }
       }
     }
     return layer;
   }
 
  private:
-  /// scores(h, j) *= N[h][j] / (sum of N over the KV heads whose prefix holds the same position), 0 when that sum
-  /// is 0 (docs/algorithms.md sections 2.4 and 6; on a dense layer the sum is the column's, in head order).
+  /// An open window's map: every entry scored by `scores` [Hkv, L], the newest entry of each head in the window tier.
   template <class S>
-  static void weight_by_normalised_values(RowMatrix<S>& scores, const RowMatrix<S>& n,
-                                          const extend::LayerShape& shape) {
+  static extend::ScoreMap<S> open_window_map(const RowMatrix<S>& scores, const extend::LayerShape& shape) {
+    extend::ScoreMap<S> m(shape);
+    for (Index h = 0; h < shape.kv_heads; ++h) {
+      for (Index j = 0; j < shape.length(h); ++j) m.at(h, j) = scores(h, j);
+      m.promote(h, shape.length(h) - 1, extend::Tier::window);
+    }
+    return m;
+  }
+
+  /// scores(h, j) *= N[h][j] / (sum of N over the KV heads whose scored entries hold the same position), 0 when
+  /// that sum is 0 (docs/algorithms.md sections 2.4 and 6; on a dense layer the sum is the column's, in head
+  /// order). The scored entries are the prefix, or every entry with an open window.
+  template <class S>
+  static void weight_by_normalised_values(RowMatrix<S>& scores, const RowMatrix<S>& n, const extend::LayerShape& shape,
+                                          bool open_window) {
     const auto weight = [&](Index h, Index j, S total) { scores(h, j) *= total > S(0) ? n(h, j) / total : S(0); };
+    const auto scored = [&](Index h) { return open_window ? shape.length(h) : shape.prefix_of(h); };
     if (!shape.ragged() && shape.positions.heads() == 0) {  // every head holds positions 0 .. L-1
-      for (Index j = 0; j < shape.prefix; ++j) {
+      for (Index j = 0; j < scored(0); ++j) {
         S total = 0;
         for (Index h = 0; h < shape.kv_heads; ++h) total += n(h, j);
         for (Index h = 0; h < shape.kv_heads; ++h) weight(h, j, total);
@@ -126,7 +156,7 @@ struct DefensiveSelector {
     };
     std::vector<Entry> entries;  // every prefix entry, grouped by position, heads in order inside a group
     for (Index h = 0; h < shape.kv_heads; ++h)
-      for (Index j = 0; j < shape.prefix_of(h); ++j) entries.push_back({shape.position(h, j), h, j});
+      for (Index j = 0; j < scored(h); ++j) entries.push_back({shape.position(h, j), h, j});
     std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
       return a.position != b.position ? a.position < b.position : a.head < b.head;
     });
