@@ -341,6 +341,7 @@ OPTION_CASES = [
     ("mass-threshold", {"keep": 0.5}, {"mass_threshold": 0.5}, True),
     ("no-floor", {"keep": 0.5}, {"no_floor": True}, True),
     ("no-floor-false", {"keep": 0.5}, {"no_floor": False}, False),
+    ("open-window", {"keep": 0.5}, {"open_window": True}, True),
     ("reference-quirks", {"compression_ratio": 0.5}, {"reference_quirks": True}, False),
     ("budget-N", {"budget": 13}, {}, True),
     ("budget-1", {"budget": 1}, {}, False),
