@@ -3,7 +3,8 @@
 # compiled once, position-independent) are shared by both; each compiles the small entry-point file itself, so that
 # CMake knows both are C++ and links C consumers with the C++ runtime.
 add_library(kvevict_c_selections OBJECT src/c/select_f32.cpp src/c/select_f64.cpp src/c/select_f16.cpp
-                                        src/c/select_bf16.cpp)
+                                        src/c/select_bf16.cpp src/c/select_i8.cpp src/c/select_e4m3.cpp
+                                        src/c/select_e5m2.cpp)
 set(_kvevict_c_targets kvevict_c_selections)
 
 add_library(kvevict_c STATIC src/c/kvevict_c.cpp $<TARGET_OBJECTS:kvevict_c_selections>)

@@ -36,7 +36,12 @@ struct Tensor {
   py::object owner;
 };
 
-const char* const tensor_names[] = {"keys", "values", "q_window", "window_attention", "w_o"};
+const char* const tensor_names[] = {"keys", "values",     "q_window",    "window_attention",
+                                    "w_o",  "keys_scale", "values_scale"};
+
+/// The dtype a uint8 array or tensor gets until the fp8= argument says which fp8 format its bytes hold (torch's
+/// float8 tensors reach Python code as .view(torch.uint8)).
+constexpr std::int32_t kBytes = -1;
 
 /// The data pointer of a present tensor: never NULL (NULL means absent to the C API), so that an empty tensor, whose
 /// producer may hand out NULL, reaches the C API's extent check.
@@ -45,21 +50,27 @@ const void* present(const void* data) {
   return data ? data : &empty_tensor;
 }
 
-/// A numpy array (any strides) as a kvevict_tensor; other float dtypes and byte orders are refused.
+/// A numpy array (any strides) as a kvevict_tensor; other float dtypes and byte orders are refused. int8 arrays are
+/// int8 codes, uint8 arrays fp8 codes (kBytes until fp8= names the format).
 Tensor from_numpy(const py::array& array, const std::string& name) {
   Tensor t;
   const py::dtype dt = array.dtype();
   const char kind = dt.kind();
   const auto itemsize = static_cast<std::int64_t>(dt.itemsize());
-  if (kind != 'f' || (itemsize != 2 && itemsize != 4 && itemsize != 8))
+  const bool codes = (kind == 'i' || kind == 'u') && itemsize == 1;
+  if (!codes && (kind != 'f' || (itemsize != 2 && itemsize != 4 && itemsize != 8)))
     throw py::value_error(name + ": dtype " + dt.attr("name").cast<std::string>() +
-                          " is not supported; expected float32, float64 or float16 (bfloat16 through __dlpack__)");
+                          " is not supported; expected float32, float64 or float16 (bfloat16 through __dlpack__), "
+                          "or for a quantized cache int8 or uint8 (fp8 codes, with fp8='e4m3' or 'e5m2')");
   if (!dt.attr("isnative").cast<bool>())
     throw py::value_error(name + ": byte order of dtype " + dt.attr("name").cast<std::string>() +
                           " is not native; convert with .astype(dtype.newbyteorder('='))");
   if (array.ndim() > 3)
     throw py::value_error(name + " has " + std::to_string(array.ndim()) + " dimensions; expected at most 3");
-  t.tensor.dtype = itemsize == 4 ? KVEVICT_F32 : itemsize == 8 ? KVEVICT_F64 : KVEVICT_F16;
+  t.tensor.dtype = codes           ? (kind == 'i' ? KVEVICT_I8 : kBytes)
+                   : itemsize == 4 ? KVEVICT_F32
+                   : itemsize == 8 ? KVEVICT_F64
+                                   : KVEVICT_F16;
   t.tensor.rank = static_cast<std::int32_t>(array.ndim());
   for (py::ssize_t i = 0; i < array.ndim(); ++i) {
     const auto stride = static_cast<std::int64_t>(array.strides(i));
@@ -83,17 +94,20 @@ Tensor from_dlpack(const py::object& obj, const std::string& name) {
     throw py::value_error(name + " is on device type " + std::to_string(static_cast<int>(dl.device.device_type)) +
                           " (DLPack); expected a CPU tensor (move it with .cpu())");
   Tensor t;
+  const bool codes = (dl.dtype.code == kDLInt || dl.dtype.code == kDLUInt) && dl.dtype.bits == 8;
   if (dl.dtype.lanes != 1 ||
       !((dl.dtype.code == kDLFloat && (dl.dtype.bits == 16 || dl.dtype.bits == 32 || dl.dtype.bits == 64)) ||
-        (dl.dtype.code == kDLBfloat && dl.dtype.bits == 16)))
+        (dl.dtype.code == kDLBfloat && dl.dtype.bits == 16) || codes))
     throw py::value_error(name + ": DLPack dtype (code " + std::to_string(dl.dtype.code) + ", " +
                           std::to_string(dl.dtype.bits) +
-                          " bits) is not supported; expected float32, float64, "
-                          "float16 or bfloat16");
-  t.tensor.dtype = dl.dtype.code == kDLBfloat ? KVEVICT_BF16
-                   : dl.dtype.bits == 16      ? KVEVICT_F16
-                   : dl.dtype.bits == 32      ? KVEVICT_F32
-                                              : KVEVICT_F64;
+                          " bits) is not supported; expected float32, float64, float16 or bfloat16, or for a "
+                          "quantized cache int8 or uint8 (fp8 codes: tensor.view(torch.uint8), with fp8='e4m3' or "
+                          "'e5m2')");
+  t.tensor.dtype = codes                        ? (dl.dtype.code == kDLInt ? KVEVICT_I8 : kBytes)
+                   : dl.dtype.code == kDLBfloat ? KVEVICT_BF16
+                   : dl.dtype.bits == 16        ? KVEVICT_F16
+                   : dl.dtype.bits == 32        ? KVEVICT_F32
+                                                : KVEVICT_F64;
   if (dl.ndim > 3) throw py::value_error(name + " has " + std::to_string(dl.ndim) + " dimensions; expected at most 3");
   t.tensor.rank = dl.ndim;
   std::int64_t stride = 1;
@@ -156,7 +170,19 @@ struct LayerArgs {
   kvevict_layer layer = kvevict_layer_init();
 };
 
-void fill_layer(LayerArgs& args, const py::dict& d, const std::string& layout, const std::string& where) {
+bool is_integer(const py::handle& v);
+bool is_real(const py::handle& v);
+
+/// A dequantisation scale: a number (rounded to float32, the library's factor type) or an array of them.
+Tensor to_scale(const py::object& obj, const std::string& name) {
+  if (!py::isinstance<py::array>(obj) && (is_integer(obj) || is_real(obj)))  // arrays have __index__ too
+    return from_numpy(py::module_::import("numpy").attr("asarray")(obj, "float32").cast<py::array>(), name);
+  return to_tensor(obj, name);
+}
+
+/// `fp8`: "", "e4m3" or "e5m2", the format of uint8 keys and values.
+void fill_layer(LayerArgs& args, const py::dict& d, const std::string& layout, const std::string& fp8,
+                const std::string& where) {
   for (const auto& item : d) {
     const std::string key = py::str(item.first);
     bool known = key == "lengths" || key == "positions";
@@ -164,21 +190,39 @@ void fill_layer(LayerArgs& args, const py::dict& d, const std::string& layout, c
     if (!known)
       throw py::value_error("unknown input '" + key + "'" +
                             (where.empty() ? "" : " in " + where.substr(0, where.size() - 1)) +
-                            "; expected keys, values, q_window, window_attention, w_o, lengths, positions");
+                            "; expected keys, values, q_window, window_attention, w_o, keys_scale, values_scale, "
+                            "lengths, positions");
   }
   const bool tokens = layout == "tokens";
-  kvevict_tensor* slots[] = {&args.layer.keys, &args.layer.values, &args.layer.q_window, &args.layer.window_attention,
-                             &args.layer.w_o};
-  for (int i = 0; i < 5; ++i) {
+  kvevict_tensor* slots[] = {
+      &args.layer.keys, &args.layer.values,     &args.layer.q_window,    &args.layer.window_attention,
+      &args.layer.w_o,  &args.layer.keys_scale, &args.layer.values_scale};
+  for (int i = 0; i < 7; ++i) {
     const char* n = tensor_names[i];
     if (!d.contains(n) || d[n].is_none()) continue;
-    args.tensors.push_back(to_tensor(py::reinterpret_borrow<py::object>(d[n]), where + n));
-    *slots[i] = args.tensors.back().tensor;
-    if (tokens && i < 2) {
-      if (slots[i]->rank != 3)
-        throw py::value_error(where + n + " has " + std::to_string(slots[i]->rank) +
+    const auto obj = py::reinterpret_borrow<py::object>(d[n]);
+    args.tensors.push_back(i >= 5 ? to_scale(obj, where + n) : to_tensor(obj, where + n));
+    kvevict_tensor& t = *slots[i] = args.tensors.back().tensor;
+    const bool cache = i < 2;
+    if (t.dtype == kBytes) {
+      if (!cache)
+        throw py::value_error(where + n +
+                              ": dtype uint8 is not supported; expected floats (uint8 holds fp8 codes, "
+                              "for the keys and values of a quantized cache only)");
+      if (fp8.empty())
+        throw py::value_error(where + n +
+                              " is uint8: pass fp8='e4m3' or fp8='e5m2' to say which fp8 format its "
+                              "bytes hold");
+      t.dtype = fp8 == "e4m3" ? KVEVICT_F8_E4M3 : KVEVICT_F8_E5M2;
+    } else if (cache && !fp8.empty()) {
+      throw py::value_error("fp8='" + fp8 + "' says the cache holds fp8 codes as uint8, but " + where + n +
+                            " is not uint8");
+    }
+    if (tokens && (cache || (i >= 5 && t.rank == 2))) {  // [L, Hkv, d] and [L, Hkv] scales
+      if (cache && t.rank != 3)
+        throw py::value_error(where + n + " has " + std::to_string(t.rank) +
                               " dimensions; expected [tokens, kv_heads, head_dim] (layout='tokens')");
-      swap_first_two(*slots[i]);
+      swap_first_two(t);
     }
   }
   const kvevict_tensor& keys = args.layer.keys;
@@ -240,12 +284,16 @@ py::array_t<std::int64_t> copy(const std::int64_t* data, std::int64_t n) {
 }
 
 std::vector<PySelection> run(const py::object& policy_name, const std::vector<py::dict>& layers,
-                             const std::string& layout, py::kwargs options) {
+                             const std::string& layout, const py::object& fp8_format, py::kwargs options) {
   if (layout != "heads" && layout != "tokens")
     throw py::value_error(
         "layout must be 'heads' ([kv_heads, tokens, head_dim]) or 'tokens' ([tokens, kv_heads, "
         "head_dim]), got '" +
         layout + "'");
+  const std::string fp8 = fp8_format.is_none() ? std::string() : py::str(fp8_format).cast<std::string>();
+  if (!fp8_format.is_none() && fp8 != "e4m3" && fp8 != "e5m2")
+    throw py::value_error("fp8 must be 'e4m3' or 'e5m2' (the format of uint8 keys and values), got " +
+                          std::string(py::repr(fp8_format)));
   // Budget: exactly one of budget / keep / compression_ratio.
   kvevict_budget budget{};
   int budgets = 0;
@@ -296,7 +344,7 @@ std::vector<PySelection> run(const py::object& policy_name, const std::vector<py
   std::vector<LayerArgs> args(layers.size());
   std::vector<kvevict_layer> c_layers;
   for (std::size_t l = 0; l < layers.size(); ++l) {
-    fill_layer(args[l], layers[l], layout, layers.size() == 1 ? "" : "layers[" + std::to_string(l) + "].");
+    fill_layer(args[l], layers[l], layout, fp8, layers.size() == 1 ? "" : "layers[" + std::to_string(l) + "].");
     c_layers.push_back(args[l].layer);
   }
   kvevict_selection* raw = nullptr;
@@ -334,7 +382,7 @@ PYBIND11_MODULE(kvevict, m) {
       "rope_theta, rotary_dim, rope_layout, future_positions, no_covariance, recent_share, precision, "
       "reference_quirks, share, reduce, block, eps, first_stage_ratio, value_norm, mass_threshold, no_floor, "
       "open_window, base, "
-      "selector). See docs/python.md.";
+      "selector). See docs/bindings.md.";
   m.attr("__version__") = kvevict_version();
 
   py::class_<PySelection>(m, "Selection", "The kept entries of one layer.")
@@ -366,28 +414,33 @@ PYBIND11_MODULE(kvevict, m) {
   m.def(
       "select",
       [](const py::object& policy, const std::string& layout, py::object keys, py::object values, py::object q_window,
-         py::object window_attention, py::object w_o, py::object lengths, py::object positions, py::kwargs options) {
+         py::object window_attention, py::object w_o, py::object lengths, py::object positions, py::object keys_scale,
+         py::object values_scale, py::object fp8, py::kwargs options) {
         py::dict layer;
         layer["keys"] = keys, layer["values"] = values, layer["q_window"] = q_window;
         layer["window_attention"] = window_attention, layer["w_o"] = w_o;
         layer["lengths"] = lengths, layer["positions"] = positions;
+        layer["keys_scale"] = keys_scale, layer["values_scale"] = values_scale;
         if (keys.is_none()) throw py::value_error("keys is required: [kv_heads, tokens, head_dim]");
-        return run(policy, {layer}, layout, std::move(options)).front();
+        return run(policy, {layer}, layout, fp8, std::move(options)).front();
       },
       py::arg("policy") = py::none(), py::kw_only(), py::arg("layout") = "heads", py::arg("keys") = py::none(),
       py::arg("values") = py::none(), py::arg("q_window") = py::none(), py::arg("window_attention") = py::none(),
       py::arg("w_o") = py::none(), py::arg("lengths") = py::none(), py::arg("positions") = py::none(),
+      py::arg("keys_scale") = py::none(), py::arg("values_scale") = py::none(), py::arg("fp8") = py::none(),
       "Selects one layer: policy (a catalogue name, or None with base=/selector=), tensors keys/values [Hkv, L, d] "
       "(layout='heads') or [L, Hkv, d] (layout='tokens'), q_window [H, w, d] or window_attention [H, w, L], "
-      "w_o [D, H*d]; optional lengths [Hkv] and positions; exactly one of budget=N, keep=R, compression_ratio=CR; "
+      "w_o [D, H*d]; optional lengths [Hkv] and positions; a quantized cache: int8 keys/values, or uint8 holding "
+      "fp8 codes with fp8='e4m3' or 'e5m2', and optional float32 keys_scale/values_scale: a number, [L] or "
+      "[Hkv, L] ([L, Hkv] with layout='tokens'); exactly one of budget=N, keep=R, compression_ratio=CR; "
       "other options as kvevict-select's. Returns a Selection.");
 
   m.def(
       "select_layers",
-      [](const py::object& policy, const std::vector<py::dict>& layers, const std::string& layout, py::kwargs options) {
-        return run(policy, layers, layout, std::move(options));
-      },
-      py::arg("policy"), py::arg("layers"), py::kw_only(), py::arg("layout") = "heads",
+      [](const py::object& policy, const std::vector<py::dict>& layers, const std::string& layout,
+         const py::object& fp8, py::kwargs options) { return run(policy, layers, layout, fp8, std::move(options)); },
+      py::arg("policy"), py::arg("layers"), py::kw_only(), py::arg("layout") = "heads", py::arg("fp8") = py::none(),
       "Selects every layer at once (layer-global policies share one budget across them): layers is a list of dicts "
-      "with the tensors of select(). Returns a list of Selection, one per layer.");
+      "with the tensors of select() (keys_scale and values_scale included); fp8= as for select(). Returns a list of "
+      "Selection, one per layer.");
 }

@@ -43,6 +43,7 @@ _ST_NAMES = {
     np.dtype(np.float16): "F16",
     np.dtype(np.int64): "I64",
     np.dtype(np.int32): "I32",
+    np.dtype(np.int8): "I8",
 }
 _ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "BF16": "<u2"}
 
@@ -54,11 +55,21 @@ class BF16:
         self.bits = np.ascontiguousarray(bits, dtype=np.uint16)
 
 
+class FP8:
+    """fp8 data for st_write: its codes (uint8) and format, "e4m3" or "e5m2"."""
+
+    def __init__(self, codes, fmt):
+        self.bits = np.ascontiguousarray(codes, dtype=np.uint8)
+        self.fmt = fmt
+
+
 def st_write(path, tensors, metadata=None):
     header, blobs, offset = {}, [], 0
     for name, array in tensors.items():
         if isinstance(array, BF16):
             dtype, data = "BF16", array.bits.astype("<u2")
+        elif isinstance(array, FP8):
+            dtype, data = "F8_" + array.fmt.upper(), array.bits
         else:
             array = np.asarray(array)
             dtype = _ST_NAMES[array.dtype]
@@ -367,6 +378,174 @@ RAGGED_OPTION_CASES = [c for c in OPTION_CASES if c[3]]
 def test_options_same_as_cli_ragged(kvevict_select, files, tmp_path, case, p):
     _, budget, options, _ = case
     compare_with_cli(kvevict_select, files, tmp_path, "opts-ragged", make_layers(**OPTS_RAGGED), p, budget, options)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Quantized caches: int8 codes, and fp8 codes as uint8 with fp8='e4m3' / 'e5m2' (torch: tensor.view(torch.uint8)).
+
+
+def _fp8_value(b, exponent_bits):
+    """The value of fp8 code b (OCP E4M3 with exponent_bits 4: no infinities, S.1111.111 NaN; E5M2: IEEE-like)."""
+    mantissa_bits = 7 - exponent_bits
+    bias = (1 << (exponent_bits - 1)) - 1
+    e, m = (b >> mantissa_bits) & ((1 << exponent_bits) - 1), b & ((1 << mantissa_bits) - 1)
+    sign = -1.0 if b & 0x80 else 1.0
+    if exponent_bits == 4 and e == 15 and m == 7:
+        return math.nan
+    if exponent_bits == 5 and e == 31:
+        return sign * math.inf if m == 0 else math.nan
+    if e == 0:
+        return sign * math.ldexp(m, 1 - bias - mantissa_bits)
+    return sign * math.ldexp((1 << mantissa_bits) + m, e - bias - mantissa_bits)
+
+
+FP8_VALUES = {"e4m3": np.array([_fp8_value(b, 4) for b in range(256)], F32),
+              "e5m2": np.array([_fp8_value(b, 5) for b in range(256)], F32)}
+
+
+def quantize(x, fmt):
+    """Codes near the float values x: int8 (round, clip to [-127, 127]) or the nearest finite fp8 code."""
+    if fmt == "i8":
+        return np.clip(np.rint(x), -127, 127).astype(np.int8)
+    table = FP8_VALUES[fmt]
+    finite = np.flatnonzero(np.isfinite(table))
+    nearest = np.abs(table[finite][None, :] - np.asarray(x, F32).reshape(-1, 1)).argmin(axis=1)
+    return finite[nearest].astype(np.uint8).reshape(np.shape(x))
+
+
+def dequantize(codes, fmt, scale):
+    """float32 values of a quantized cache [Hkv, L, d]: float(code) * factor, one float32 rounding (the library's
+    rule, docs/algorithms.md section 9); scale None, a number, [L] or [Hkv, L]."""
+    values = codes.astype(F32) if fmt == "i8" else FP8_VALUES[fmt][codes]
+    if scale is None:
+        return values
+    factor = np.asarray(scale, F32)
+    if factor.ndim == 1:
+        factor = factor[None, :]
+    return (values * (factor[..., None] if factor.ndim == 2 else factor)).astype(F32)
+
+
+def quantized_layers(fmt, scale_kind, seed=31, Hkv=2, G=2, Ls=(40, 36), d=8, w=4, ragged=False):
+    """(quantized layers, the float32 layers holding their values): codes near N(0, 4) keys and values (int8: N(0,
+    40)), scales of scale_kind ("none", "tensor" (a number), "tensor-1" ([1]), "token", "head-token") near
+    0.05-0.3, fp8 codes as uint8."""
+    rng = np.random.default_rng(seed)
+    quantized, floats = [], []
+    for layer in make_layers(seed=seed, Hkv=Hkv, G=G, Ls=list(Ls), d=d, w=w, ragged=ragged):
+        L = layer["keys"].shape[1]
+        q, f = dict(layer), dict(layer)
+        for name in ("keys", "values"):
+            codes = quantize(layer[name] * (40.0 if fmt == "i8" else 4.0), fmt)
+            scale = {"none": None, "tensor": F32(rng.uniform(0.05, 0.3)),
+                     "tensor-1": rng.uniform(0.05, 0.3, size=1).astype(F32),
+                     "token": rng.uniform(0.05, 0.3, size=L).astype(F32),
+                     "head-token": rng.uniform(0.05, 0.3, size=(Hkv, L)).astype(F32)}[scale_kind]
+            q[name] = codes
+            if scale is not None:
+                q[name + "_scale"] = scale
+            f[name] = dequantize(codes, fmt, scale)
+        quantized.append(q)
+        floats.append(f)
+    return quantized, floats
+
+
+QUANTIZED_POLICIES = POLICIES + [("snapkv", "critical"), ("adakv", "defensive"), ("layer", "expected")]
+SCALE_KINDS = ["none", "tensor", "tensor-1", "token", "head-token"]
+
+
+@pytest.mark.parametrize("fmt", ["i8", "e4m3", "e5m2"])
+@pytest.mark.parametrize("scale_kind", SCALE_KINDS)
+def test_quantized_cache_selects_as_float32(fmt, scale_kind):
+    """int8 and fp8 caches select exactly what float32 storage holding the dequantized values selects, for every
+    policy, at precision f32 and f64, dense and ragged."""
+    fp8 = None if fmt == "i8" else fmt
+    for ragged in (False, True):
+        quantized, floats = quantized_layers(fmt, scale_kind, seed=31 + ragged, ragged=ragged)
+        for p in QUANTIZED_POLICIES:
+            name, extra = policy_kwargs(p)
+            options = per_head_tova(p, floats, {})
+            for precision in ("f32", "f64"):
+                want = kvevict.select_layers(name, floats, keep=0.5, precision=precision, **extra, **options)
+                got = kvevict.select_layers(name, quantized, keep=0.5, precision=precision, fp8=fp8, **extra,
+                                            **options)
+                assert_same_selections(want, got, "%s %s %s %s ragged=%s" % (policy_id(p), fmt, scale_kind,
+                                                                             precision, ragged))
+    # the scales matter: reading the codes without them selects otherwise for some policy
+    if scale_kind != "none":
+        quantized, _ = quantized_layers(fmt, scale_kind, seed=31)
+        unscaled = [{k: v for k, v in layer.items() if not k.endswith("_scale")} for layer in quantized]
+        assert any(not np.array_equal(kvevict.select_layers(p, quantized, keep=0.5, fp8=fp8)[0].indices,
+                                      kvevict.select_layers(p, unscaled, keep=0.5, fp8=fp8)[0].indices)
+                   for p in ("snapkv", "criticalkv", "defensivekv"))
+
+
+@pytest.mark.parametrize("fmt", ["i8", "e4m3", "e5m2"])
+def test_quantized_cache_layouts(fmt):
+    """The tokens layout ([L, Hkv, d] codes, [L, Hkv] scales), strided codes and one-layer select()."""
+    fp8 = None if fmt == "i8" else fmt
+    quantized, floats = quantized_layers(fmt, "head-token", seed=41, Ls=(40,))
+    want = kvevict.select_layers("defensivekv", floats, keep=0.5)
+    tokens = dict(quantized[0])
+    for name in ("keys", "values"):
+        tokens[name] = np.ascontiguousarray(quantized[0][name].transpose(1, 0, 2))
+        tokens[name + "_scale"] = np.ascontiguousarray(quantized[0][name + "_scale"].T)
+    assert_same_selections(want, kvevict.select_layers("defensivekv", [tokens], keep=0.5, layout="tokens", fp8=fp8))
+    strided = dict(quantized[0])
+    for name in ("keys", "values"):
+        wide = np.zeros(quantized[0][name].shape[:2] + (16,), quantized[0][name].dtype)
+        wide[:, :, ::2] = quantized[0][name]
+        strided[name] = wide[:, :, ::2]  # head_dim at stride 2: the C API copies the codes
+        strided[name + "_scale"] = np.asfortranarray(quantized[0][name + "_scale"])
+    assert_same_selections(want, [kvevict.select("defensivekv", **strided, keep=0.5, fp8=fp8)])
+
+
+@pytest.mark.parametrize("fmt", ["i8", "e4m3", "e5m2"])
+@pytest.mark.parametrize("p", POLICIES + [("snapkv", "critical")], ids=policy_id)
+def test_quantized_cache_same_as_cli(kvevict_select, files, tmp_path, fmt, p):
+    """The module on int8 / fp8 codes selects what kvevict-select selects from the same codes in safetensors (I8,
+    F8_E4M3, F8_E5M2 with keys_scale / values_scale), which dequantizes them its own way."""
+    quantized, _ = quantized_layers(fmt, "head-token" if fmt == "i8" else "token", seed=51, ragged=True)
+    stored = [{k: (FP8(v, fmt) if fmt != "i8" and k in ("keys", "values") else v) for k, v in layer.items()}
+              for layer in quantized]
+    in_path = files("quantized-" + fmt, stored)
+    out_path = tmp_path / "out.safetensors"
+    options = per_head_tova(p, quantized, {})
+    proc = run_cli(kvevict_select, in_path, out_path, p, {"keep": 0.5}, options)
+    assert proc.returncode == 0, proc.stderr
+    name, extra = policy_kwargs(p)
+    sels = kvevict.select_layers(name, quantized, keep=0.5, fp8=None if fmt == "i8" else fmt, **extra, **options)
+    assert_same_as_cli(sels, st_read(out_path)[0])
+
+
+def test_quantized_cache_errors():
+    (q,), _ = quantized_layers("e4m3", "token", seed=61, Ls=(24,))
+    (i,), _ = quantized_layers("i8", "token", seed=61, Ls=(24,))
+    cases = [
+        (dict(q), {}, r"keys is uint8: pass fp8='e4m3' or fp8='e5m2'"),
+        (dict(q), {"fp8": "e3m4"}, r"fp8 must be 'e4m3' or 'e5m2'.*'e3m4'"),
+        (dict(i), {"fp8": "e4m3"}, r"fp8='e4m3' says the cache holds fp8 codes as uint8, but keys is not uint8"),
+        (dict(q, values=q["values"].view(np.int8)), {"fp8": "e4m3"}, r"values is not uint8"),
+        (dict(i, values=i["values"].astype(F32), values_scale=None), {},
+         r"values are f32 and keys i8; expected one dtype for both"),
+        (dict(q, q_window=q["keys"]), {"fp8": "e4m3"}, r"q_window: dtype uint8 is not supported"),
+        (dict(i, q_window=i["keys"]), {}, r"q_window is i8: quantized codes are for the keys and values only"),
+        (dict(i, keys_scale=i["keys_scale"][:-1]), {}, r"keys_scale has shape \[23\]; expected \[\] \(one "
+                                                       r"factor\), \[24\] \(one per token\) or \[2, 24\]"),
+        (dict(i, keys_scale=i["keys_scale"].astype(F64)), {}, r"keys_scale is f64; expected F32"),
+        (dict(i, keys_scale=np.ones((2, 24, 1), F32)), {}, r"keys_scale has rank 3"),
+        (dict(i, keys=i["keys"].astype(F32), values=i["values"].astype(F32)), {},
+         r"keys_scale is given and the cache is f32; expected scales only for quantized caches"),
+        (dict(i, keys_scale=np.full(24, np.inf, F32)), {}, r"keys_scale\[0\] is inf; expected finite"),
+        (dict(i, keys_scale=float("nan")), {}, r"keys_scale is nan; expected finite dequantisation factors"),
+        (dict(i, values_scale=np.full((2, 24), 1e37, F32)), {},
+         r"values\[0, 0, \d\] is not finite \(inf = stored -?\d+ x scale 1e\+37"),
+        (dict(q, keys=np.full_like(q["keys"], 0x7F)), {"fp8": "e4m3"}, r"keys\[0, 0, 0\] is not finite \(nan = stored"),
+    ]
+    for layer, extra, message in cases:
+        args = {k: v for k, v in layer.items() if v is not None}
+        for precision in ("f32", "f64"):
+            with pytest.raises(ValueError, match=message):
+                kvevict.select("defensivekv", **args, **extra, keep=0.5, precision=precision)
 
 
 def test_select_equals_select_layers():

@@ -3,6 +3,7 @@
 // the per-storage translation units (select_<dtype>.cpp) instantiate. Internal to kvevict::c.
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -21,7 +22,8 @@ struct kvevict_selection {
 namespace kvevict::c_api {
 
 /// The selections of `options`' policy over `layers`, whose keys and values are stored as KV (float, double,
-/// Eigen::half, Eigen::bfloat16). Throws kvevict::invalid_argument or tools::usage_error on bad input.
+/// Eigen::half, Eigen::bfloat16, or the codes std::int8_t, float8_e4m3, float8_e5m2 with their scales). Throws
+/// kvevict::invalid_argument or tools::usage_error on bad input.
 template <class KV>
 std::vector<Selection> select_storage(const tools::Options& options, const Budget& budget, const kvevict_layer* layers,
                                       std::size_t n_layers);
@@ -34,5 +36,11 @@ extern template std::vector<Selection> select_storage<Eigen::half>(const tools::
                                                                    const kvevict_layer*, std::size_t);
 extern template std::vector<Selection> select_storage<Eigen::bfloat16>(const tools::Options&, const Budget&,
                                                                        const kvevict_layer*, std::size_t);
+extern template std::vector<Selection> select_storage<std::int8_t>(const tools::Options&, const Budget&,
+                                                                   const kvevict_layer*, std::size_t);
+extern template std::vector<Selection> select_storage<float8_e4m3>(const tools::Options&, const Budget&,
+                                                                   const kvevict_layer*, std::size_t);
+extern template std::vector<Selection> select_storage<float8_e5m2>(const tools::Options&, const Budget&,
+                                                                   const kvevict_layer*, std::size_t);
 
 }  // namespace kvevict::c_api

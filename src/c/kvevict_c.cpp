@@ -206,10 +206,20 @@ kvevict_status kvevict_select_layers(const kvevict_policy* policy, kvevict_budge
       case KVEVICT_BF16:
         result->layers = c::select_storage<Eigen::bfloat16>(policy->options, b, layers, n_layers);
         break;
+      case KVEVICT_I8:
+        result->layers = c::select_storage<std::int8_t>(policy->options, b, layers, n_layers);
+        break;
+      case KVEVICT_F8_E4M3:
+        result->layers = c::select_storage<kvevict::float8_e4m3>(policy->options, b, layers, n_layers);
+        break;
+      case KVEVICT_F8_E5M2:
+        result->layers = c::select_storage<kvevict::float8_e5m2>(policy->options, b, layers, n_layers);
+        break;
       default:
         throw kvevict::invalid_argument("layers[0].keys: unknown dtype " +
                                         std::to_string(static_cast<int>(layers[0].keys.dtype)) +
-                                        "; expected KVEVICT_F32, KVEVICT_F64, KVEVICT_F16 or KVEVICT_BF16");
+                                        "; expected KVEVICT_F32, KVEVICT_F64, KVEVICT_F16, KVEVICT_BF16, KVEVICT_I8, "
+                                        "KVEVICT_F8_E4M3 or KVEVICT_F8_E5M2");
     }
     *out = result.release();
   });

@@ -27,6 +27,12 @@ inline const char* dtype_name(std::int32_t dt) {
       return "f16";
     case KVEVICT_BF16:
       return "bf16";
+    case KVEVICT_I8:
+      return "i8";
+    case KVEVICT_F8_E4M3:
+      return "f8_e4m3";
+    case KVEVICT_F8_E5M2:
+      return "f8_e5m2";
   }
   return "unknown";
 }
@@ -39,32 +45,57 @@ constexpr kvevict_dtype dtype_of() {
     return KVEVICT_F64;
   else if constexpr (std::is_same_v<T, Eigen::half>)
     return KVEVICT_F16;
-  else
+  else if constexpr (std::is_same_v<T, Eigen::bfloat16>)
     return KVEVICT_BF16;
+  else if constexpr (std::is_same_v<T, std::int8_t>)
+    return KVEVICT_I8;
+  else if constexpr (std::is_same_v<T, float8_e4m3>)
+    return KVEVICT_F8_E4M3;
+  else
+    return KVEVICT_F8_E5M2;
 }
 
-/// Element `offset` (in elements) of `base`, stored as `dt`, as T.
+inline bool is_code_dtype(std::int32_t dt) {
+  return dt == KVEVICT_I8 || dt == KVEVICT_F8_E4M3 || dt == KVEVICT_F8_E5M2;
+}
+
+/// Element `offset` (in elements) of `base`, stored as `dt`, as T (a quantized T: the code itself, dt being T's).
 template <class T>
 T read_element(std::int32_t dt, const void* base, std::int64_t offset) {
-  switch (dt) {
-    case KVEVICT_F64:
-      return static_cast<T>(static_cast<const double*>(base)[offset]);
-    case KVEVICT_F16:
-      return static_cast<T>(static_cast<float>(static_cast<const Eigen::half*>(base)[offset]));
-    case KVEVICT_BF16:
-      return static_cast<T>(static_cast<float>(static_cast<const Eigen::bfloat16*>(base)[offset]));
-    case KVEVICT_F32:
-      break;
+  if constexpr (is_quantized_v<T>) {
+    return static_cast<const T*>(base)[offset];
+  } else {
+    switch (dt) {
+      case KVEVICT_F64:
+        return static_cast<T>(static_cast<const double*>(base)[offset]);
+      case KVEVICT_F16:
+        return static_cast<T>(static_cast<float>(static_cast<const Eigen::half*>(base)[offset]));
+      case KVEVICT_BF16:
+        return static_cast<T>(static_cast<float>(static_cast<const Eigen::bfloat16*>(base)[offset]));
+      case KVEVICT_F32:
+        break;
+    }
+    return static_cast<T>(static_cast<const float*>(base)[offset]);
   }
-  return static_cast<T>(static_cast<const float*>(base)[offset]);
 }
 
 /// Checks a present tensor's dtype, rank and extents (the caller vouches for the memory its shape and strides
-/// address). `name` is e.g. "layers[0].keys", `dims` the expected shape in words.
-inline void check_tensor(const kvevict_tensor& t, int rank, const std::string& name, const char* dims) {
-  if (t.dtype != KVEVICT_F32 && t.dtype != KVEVICT_F64 && t.dtype != KVEVICT_F16 && t.dtype != KVEVICT_BF16)
-    throw invalid_argument(name + ": unknown dtype " + std::to_string(static_cast<int>(t.dtype)) +
-                           "; expected KVEVICT_F32, KVEVICT_F64, KVEVICT_F16 or KVEVICT_BF16");
+/// address). `name` is e.g. "layers[0].keys", `dims` the expected shape in words; `codes`: whether the quantized
+/// dtypes (the cache's keys and values only) are allowed.
+inline void check_tensor(const kvevict_tensor& t, int rank, const std::string& name, const char* dims,
+                         bool codes = false) {
+  const bool floating =
+      t.dtype == KVEVICT_F32 || t.dtype == KVEVICT_F64 || t.dtype == KVEVICT_F16 || t.dtype == KVEVICT_BF16;
+  if (!floating && !(codes && is_code_dtype(t.dtype))) {
+    const std::string expected = codes ? "KVEVICT_F32, KVEVICT_F64, KVEVICT_F16, KVEVICT_BF16, KVEVICT_I8, "
+                                         "KVEVICT_F8_E4M3 or KVEVICT_F8_E5M2"
+                                       : "KVEVICT_F32, KVEVICT_F64, KVEVICT_F16 or KVEVICT_BF16";
+    throw invalid_argument(name +
+                           (is_code_dtype(t.dtype) ? " is " + std::string(dtype_name(t.dtype)) +
+                                                         ": quantized codes are for the keys and values only"
+                                                   : ": unknown dtype " + std::to_string(t.dtype)) +
+                           "; expected " + expected);
+  }
   if (t.rank != rank)
     throw invalid_argument(name + " has rank " + std::to_string(t.rank) + "; expected rank " + std::to_string(rank) +
                            " " + dims);
@@ -129,8 +160,67 @@ struct LayerHold {
   Held<KV> keys, values;
   Held<S> observation, w_o;
   std::vector<std::int64_t> positions;
+  std::vector<float> keys_scale, values_scale;  // token factors, [Hkv, L] or [L]
   LayerInputs<KV, S, S> inputs;
 };
+
+/// The dequantisation scale of a quantized cache tensor [Hkv, L, d] from its F32 scale tensor `t` (absent: none):
+/// [] (or [1]) one factor, [L] one per token, [Hkv, L] one per KV head and token (copied into `token`, any strides).
+/// `name` is e.g. "layers[0].keys_scale".
+inline KVScale scale_of(const kvevict_tensor& t, Index Hkv, Index L, std::vector<float>& token,
+                        const std::string& name) {
+  KVScale scale;
+  if (!t.data) return scale;
+  const std::string dims = "[] (one factor), [" + std::to_string(L) + "] (one per token) or [" + std::to_string(Hkv) +
+                           ", " + std::to_string(L) + "] (one per KV head and token)";
+  if (t.dtype != KVEVICT_F32)
+    throw invalid_argument(name + " is " + dtype_name(t.dtype) + "; expected F32 dequantisation factors " + dims);
+  if (t.rank < 0 || t.rank > 2)
+    throw invalid_argument(name + " has rank " + std::to_string(t.rank) + "; expected " + dims);
+  const auto* data = static_cast<const float*>(t.data);
+  const auto require_finite = [&](float f, const std::string& at) {
+    if (!std::isfinite(f))
+      throw invalid_argument(detail::concat(name, at, " is ", f, "; expected finite dequantisation factors"));
+  };
+  if (t.rank == 0 || (t.rank == 1 && t.shape[0] == 1)) {  // [1] too, as kvevict-select reads it
+    require_finite(data[0], "");
+    scale.tensor = data[0];
+    return scale;
+  }
+  const bool per_head = t.rank == 2;
+  if (t.shape[0] != (per_head ? Hkv : L) || (per_head && t.shape[1] != L)) {
+    std::string got = "[" + std::to_string(t.shape[0]) + (per_head ? ", " + std::to_string(t.shape[1]) : "") + "]";
+    throw invalid_argument(name + " has shape " + got + "; expected " + dims);
+  }
+  token.resize(static_cast<std::size_t>(per_head ? Hkv * L : L));
+  for (Index a = 0; a < (per_head ? Hkv : 1); ++a)
+    for (Index j = 0; j < L; ++j)
+      require_finite(token[static_cast<std::size_t>(a * L + j)] =
+                         per_head ? data[a * t.strides[0] + j * t.strides[1]] : data[j * t.strides[0]],
+                     "[" + (per_head ? std::to_string(a) + ", " : std::string()) + std::to_string(j) + "]");
+  scale.token = per_head ? per_head_token_scales(token.data(), Hkv, L) : per_token_scales(token.data(), Hkv, L);
+  return scale;
+}
+
+/// Checks layer `at`'s keys (present, [Hkv, L, d], stored as KV) and its values when present (the keys' dtype, Hkv
+/// and L).
+template <class KV>
+void check_cache(const kvevict_layer& in, const std::string& at) {
+  if (!in.keys.data) throw invalid_argument(at + "keys is missing; expected [kv_heads, tokens, head_dim]");
+  check_tensor(in.keys, 3, at + "keys", "[kv_heads, tokens, head_dim]", true);
+  if (in.keys.dtype != dtype_of<KV>())
+    throw invalid_argument(at + "keys are " + dtype_name(in.keys.dtype) + "; expected " + dtype_name(dtype_of<KV>()) +
+                           " like layers[0].keys (one cache dtype for every layer)");
+  if (!in.values.data) return;
+  check_tensor(in.values, 3, at + "values", "[kv_heads, tokens, head_dim]", true);
+  if (in.values.dtype != in.keys.dtype)
+    throw invalid_argument(at + "values are " + dtype_name(in.values.dtype) + " and keys " + dtype_name(in.keys.dtype) +
+                           "; expected one dtype for both");
+  if (in.values.shape[0] != in.keys.shape[0] || in.values.shape[1] != in.keys.shape[1])
+    throw invalid_argument(at + "values have shape " + shape_str(in.values) + "; expected [" +
+                           std::to_string(in.keys.shape[0]) + ", " + std::to_string(in.keys.shape[1]) +
+                           ", head_dim] like the keys");
+}
 
 template <class KV, class S>
 std::vector<Selection> select_typed(const tools::Options& options, const kvevict_layer* layers, std::size_t n_layers) {
@@ -141,24 +231,23 @@ std::vector<Selection> select_typed(const tools::Options& options, const kvevict
     const kvevict_layer& in = layers[l];
     LayerHold<KV, S>& h = held[l];
     const std::string at = "layers[" + std::to_string(l) + "].";
-    if (!in.keys.data) throw invalid_argument(at + "keys is missing; expected [kv_heads, tokens, head_dim]");
-    check_tensor(in.keys, 3, at + "keys", "[kv_heads, tokens, head_dim]");
-    if (in.keys.dtype != dtype_of<KV>())
-      throw invalid_argument(at + "keys are " + dtype_name(in.keys.dtype) + "; expected " + dtype_name(dtype_of<KV>()) +
-                             " like layers[0].keys (one cache dtype for every layer)");
+    check_cache<KV>(in, at);
     const Index Hkv = in.keys.shape[0], L = in.keys.shape[1];
     h.keys = hold3<KV>(in.keys);
     h.inputs.keys = h.keys.view();
     if (in.values.data) {
-      check_tensor(in.values, 3, at + "values", "[kv_heads, tokens, head_dim]");
-      if (in.values.dtype != in.keys.dtype)
-        throw invalid_argument(at + "values are " + dtype_name(in.values.dtype) + " and keys " +
-                               dtype_name(in.keys.dtype) + "; expected one dtype for both");
-      if (in.values.shape[0] != Hkv || in.values.shape[1] != L)
-        throw invalid_argument(at + "values have shape " + shape_str(in.values) + "; expected [" + std::to_string(Hkv) +
-                               ", " + std::to_string(L) + ", head_dim] like the keys");
       h.values = hold3<KV>(in.values);
       h.inputs.values = h.values.view();
+    }
+    for (const auto& [scale, of] : {std::pair{&in.keys_scale, "keys"}, std::pair{&in.values_scale, "values"}}) {
+      if (scale->data && !is_quantized_v<KV>)
+        throw invalid_argument(at + of + "_scale is given and the cache is " + dtype_name(in.keys.dtype) +
+                               "; expected scales only for quantized caches (KVEVICT_I8, KVEVICT_F8_E4M3, "
+                               "KVEVICT_F8_E5M2)");
+    }
+    if constexpr (is_quantized_v<KV>) {
+      h.inputs.keys_scale = scale_of(in.keys_scale, Hkv, L, h.keys_scale, at + "keys_scale");
+      h.inputs.values_scale = scale_of(in.values_scale, Hkv, L, h.values_scale, at + "values_scale");
     }
     if (in.q_window.data && in.window_attention.data)
       throw invalid_argument(at + "q_window and " + at + "window_attention are both given; expected exactly one");
@@ -216,13 +305,63 @@ std::vector<Selection> select_typed(const tools::Options& options, const kvevict
   return tools::run_policy<S>(options, inputs, window);
 }
 
+/// A quantized cache's keys or values `t` [Hkv, L, d] (checked by the caller) as F64 values: row [h, j] is
+/// float(code) * factor(h, j) in float, as the library dequantizes it, then widened (what select<double> reads from
+/// the codes), into `out`.
+template <class KV>
+kvevict_tensor dequantized_f64(const kvevict_tensor& t, const KVScale& scale, std::vector<double>& out,
+                               const std::string& name) {
+  const Held<KV> codes = hold3<KV>(t);
+  const Index Hkv = codes.heads, L = codes.rows, d = codes.cols;
+  out.resize(static_cast<std::size_t>(Hkv * L * d));
+  std::vector<float> row(static_cast<std::size_t>(d));
+  for (Index h = 0; h < Hkv; ++h) {
+    const detail::RowScale factor = detail::row_scale(scale, h);
+    for (Index j = 0; j < L; ++j) {
+      detail::dequantize(codes.view().row(h, j), factor(j), row.data(), d);
+      for (Index c = 0; c < d; ++c)  // a NaN code, or a factor that overflows a value (as the library reports it)
+        if (!std::isfinite(row[static_cast<std::size_t>(c)]))
+          throw invalid_argument(detail::concat(name, "[", h, ", ", j, ", ", c, "] is not finite (",
+                                                row[static_cast<std::size_t>(c)], " = stored ",
+                                                static_cast<float>(codes.view().row(h, j)[c]), " x scale ", factor(j),
+                                                "); the inputs contain NaN or Inf values"));
+      std::copy(row.begin(), row.end(), out.begin() + (h * L + j) * d);
+    }
+  }
+  const std::int64_t shape[3] = {Hkv, L, d};
+  return kvevict_tensor_contiguous(out.data(), KVEVICT_F64, 3, shape);
+}
+
 template <class KV>
 std::vector<Selection> select_storage(const tools::Options& options, const Budget& budget, const kvevict_layer* layers,
                                       std::size_t n_layers) {
   tools::Options o = options;
   o.budget = budget;
-  return options.precision == "f64" ? select_typed<KV, double>(o, layers, n_layers)
-                                    : select_typed<KV, float>(o, layers, n_layers);
+  if constexpr (is_quantized_v<KV>) {
+    // Quantized caches run in place at precision f32; at f64 (a reference precision) through F64 copies of the
+    // dequantized values, which select exactly as the codes would, so that the double instances serve every dtype.
+    if (options.precision != "f64") return select_typed<KV, float>(o, layers, n_layers);
+    std::vector<kvevict_layer> copies(layers, layers + n_layers);
+    std::vector<std::vector<double>> values(2 * n_layers);
+    for (std::size_t l = 0; l < n_layers; ++l) {
+      const kvevict_layer& in = layers[l];
+      const std::string at = "layers[" + std::to_string(l) + "].";
+      check_cache<KV>(in, at);
+      const Index Hkv = in.keys.shape[0], L = in.keys.shape[1];
+      std::vector<float> token;
+      copies[l].keys = dequantized_f64<KV>(in.keys, scale_of(in.keys_scale, Hkv, L, token, at + "keys_scale"),
+                                           values[2 * l], at + "keys");
+      if (in.values.data) {
+        copies[l].values = dequantized_f64<KV>(in.values, scale_of(in.values_scale, Hkv, L, token, at + "values_scale"),
+                                               values[2 * l + 1], at + "values");
+      }
+      copies[l].keys_scale.data = copies[l].values_scale.data = nullptr;
+    }
+    return select_storage<double>(options, budget, copies.data(), n_layers);  // select_f64.cpp's instance
+  } else {
+    return options.precision == "f64" ? select_typed<KV, double>(o, layers, n_layers)
+                                      : select_typed<KV, float>(o, layers, n_layers);
+  }
 }
 
 }  // namespace kvevict::c_api

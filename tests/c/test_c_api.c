@@ -326,6 +326,98 @@ static void test_every_policy(void) {
   context[0] = '\0';
 }
 
+/* ---- quantized caches ------------------------------------------------------------------------------------------ */
+
+/* The value of fp8 code b: E4M3 (exponent_bits 4: no infinities, S.1111.111 NaN) or E5M2 (IEEE-like), OCP. */
+static float fp8_value(uint8_t b, int exponent_bits) {
+  const int mantissa_bits = 7 - exponent_bits, bias = (1 << (exponent_bits - 1)) - 1;
+  const int e = (b >> mantissa_bits) & ((1 << exponent_bits) - 1), m = b & ((1 << mantissa_bits) - 1);
+  const double sign = (b & 0x80) ? -1.0 : 1.0;
+  if (exponent_bits == 4 && e == 15 && m == 7) return (float)nan("");
+  if (exponent_bits == 5 && e == 31) return m == 0 ? (float)(sign * HUGE_VAL) : (float)nan("");
+  if (e == 0) return (float)(sign * ldexp((double)m, 1 - bias - mantissa_bits));
+  return (float)(sign * ldexp((double)((1 << mantissa_bits) + m), e - bias - mantissa_bits));
+}
+/* The finite fp8 code nearest x. */
+static uint8_t fp8_code(float x, int exponent_bits) {
+  int b, best = 0;
+  double best_error = HUGE_VAL;
+  for (b = 0; b < 256; ++b) {
+    const float v = fp8_value((uint8_t)b, exponent_bits);
+    if (v == v && fabs((double)v) != HUGE_VAL && fabs((double)v - x) < best_error) best = b, best_error = fabs(v - x);
+  }
+  return (uint8_t)best;
+}
+
+/* int8 (per KV head and token factors), fp8 e4m3 (one factor) and fp8 e5m2 (one factor per token) caches select
+ * exactly what f32 caches holding their values (float(code) * factor, one float rounding) select, for every policy;
+ * at precision f64 too. */
+static void test_quantized(void) {
+  static Data a;
+  static int8_t k8[N_KV], v8[N_KV];
+  static uint8_t k43[N_KV], v43[N_KV], k52[N_KV], v52[N_KV];
+  static float k8f[N_KV], v8f[N_KV], k43f[N_KV], v43f[N_KV], k52f[N_KV], v52f[N_KV];
+  static float head_token[HKV * L], token[L];
+  const float tensor = 0.37f;
+  const int64_t head_token_shape[2] = {HKV, L}, token_shape[1] = {L};
+  const char* f64k[] = {"precision"};
+  const char* f64v[] = {"f64"};
+  const size_t count = kvevict_policy_count();
+  size_t i;
+  int j, f64;
+  make_data(&a, 5);
+  for (j = 0; j < HKV * L; ++j) head_token[j] = (float)(0.02 + 0.001 * (j % 37));
+  for (j = 0; j < L; ++j) token[j] = (float)(0.5 + 0.01 * j);
+  for (j = 0; j < N_KV; ++j) {
+    const float hk = head_token[j / D_HEAD], tk = token[(j / D_HEAD) % L];
+    double c = floor(a.k[j] / hk + 0.5);
+    k8[j] = (int8_t)(c > 127 ? 127 : c < -127 ? -127 : c);
+    c = floor(a.v[j] / hk + 0.5);
+    v8[j] = (int8_t)(c > 127 ? 127 : c < -127 ? -127 : c);
+    k8f[j] = (float)k8[j] * hk, v8f[j] = (float)v8[j] * hk;
+    k43[j] = fp8_code(a.k[j] / tensor, 4), v43[j] = fp8_code(a.v[j] / tensor, 4);
+    k43f[j] = fp8_value(k43[j], 4) * tensor, v43f[j] = fp8_value(v43[j], 4) * tensor;
+    k52[j] = fp8_code(a.k[j] / tk, 5), v52[j] = fp8_code(a.v[j] / tk, 5);
+    k52f[j] = fp8_value(k52[j], 5) * tk, v52f[j] = fp8_value(v52[j], 5) * tk;
+  }
+  for (f64 = 0; f64 < 2; ++f64)
+    for (i = 0; i < count; ++i) {
+      const char* name = kvevict_policy_name(i);
+      kvevict_policy* p;
+      int q;
+      snprintf(context, sizeof context, "quantized, policy %s%s", name, f64 ? ", precision f64" : "");
+      p = create(name, f64 ? f64k : NULL, f64 ? f64v : NULL, f64 ? 1 : 0, __LINE__);
+      if (!p) continue;
+      for (q = 0; q < 3; ++q) {
+        kvevict_layer codes = layer_of(&a), floats = layer_of(&a);
+        kvevict_selection *got, *want;
+        const int32_t dtype = q == 0 ? KVEVICT_I8 : q == 1 ? KVEVICT_F8_E4M3 : KVEVICT_F8_E5M2;
+        const void* kc = q == 0 ? (const void*)k8 : q == 1 ? (const void*)k43 : (const void*)k52;
+        const void* vc = q == 0 ? (const void*)v8 : q == 1 ? (const void*)v43 : (const void*)v52;
+        codes.keys = kvevict_tensor_contiguous(kc, dtype, 3, KV_SHAPE);
+        codes.values = kvevict_tensor_contiguous(vc, dtype, 3, KV_SHAPE);
+        if (q == 0) {
+          codes.keys_scale = codes.values_scale =
+              kvevict_tensor_contiguous(head_token, KVEVICT_F32, 2, head_token_shape);
+        } else if (q == 1) {
+          codes.keys_scale = codes.values_scale = kvevict_tensor_contiguous(&tensor, KVEVICT_F32, 0, NULL);
+        } else {
+          codes.keys_scale = codes.values_scale = kvevict_tensor_contiguous(token, KVEVICT_F32, 1, token_shape);
+        }
+        floats.keys.data = q == 0 ? k8f : q == 1 ? k43f : k52f;
+        floats.values.data = q == 0 ? v8f : q == 1 ? v43f : v52f;
+        got = select_ok(p, kvevict_tokens(BUDGET), &codes, 1, __LINE__);
+        want = select_ok(p, kvevict_tokens(BUDGET), &floats, 1, __LINE__);
+        if (got) check_structure(got, 0, NULL, NULL, __LINE__);
+        if (got && want) CHECK(same_layer(got, 0, want, 0));
+        kvevict_selection_free(got);
+        kvevict_selection_free(want);
+      }
+      kvevict_policy_free(p);
+    }
+  context[0] = '\0';
+}
+
 /* ---- composed policies, token-major caches, attention rows, ragged layers --------------------------------------- */
 
 static void test_composed(void) {
@@ -742,6 +834,39 @@ static void test_select_errors(void) {
   good = layer_of(&a);
   if (!snap || !crit || !window5 || !block8 || !global) return;
 
+  /* quantized caches */
+  {
+    static int8_t codes[N_KV];
+    static const float one = 1.0f, scales[HKV * L] = {0};
+    static const double wide = 1.0;
+    const int64_t scale_shape[2] = {HKV, L - 1}, scale3[3] = {HKV, L, 1};
+    kvevict_layer q = good;
+    q.keys = kvevict_tensor_contiguous(codes, KVEVICT_I8, 3, KV_SHAPE);
+    q.values = kvevict_tensor_contiguous(codes, KVEVICT_I8, 3, KV_SHAPE);
+    bad = good;
+    bad.keys_scale = kvevict_tensor_contiguous(&one, KVEVICT_F32, 0, NULL);
+    select_error("scale for an f32 cache", snap, budget, &bad, 1, "quantized caches", __LINE__);
+    bad = q;
+    bad.values = good.values;
+    select_error("i8 keys, f32 values", snap, budget, &bad, 1, "one dtype", __LINE__);
+    bad = q;
+    bad.q_window.dtype = KVEVICT_I8;
+    select_error("i8 q_window", snap, budget, &bad, 1, "keys and values only", __LINE__);
+    bad = q;
+    bad.keys_scale = kvevict_tensor_contiguous(scales, KVEVICT_F32, 2, scale_shape);
+    select_error("scale [Hkv, L - 1]", snap, budget, &bad, 1, "keys_scale has shape", __LINE__);
+    bad.keys_scale = kvevict_tensor_contiguous(scales, KVEVICT_F32, 3, scale3);
+    select_error("scale of rank 3", snap, budget, &bad, 1, "rank 3", __LINE__);
+    bad.keys_scale = kvevict_tensor_contiguous(&wide, KVEVICT_F64, 0, NULL);
+    select_error("scale f64", snap, budget, &bad, 1, "expected F32", __LINE__);
+    bad = q;
+    bad.values_scale = kvevict_tensor_contiguous(&wide, KVEVICT_F64, 0, NULL);
+    select_error("values scale f64", crit, budget, &bad, 1, "values_scale is f64", __LINE__);
+    bad = q;
+    bad.keys.dtype = 7;
+    select_error("keys dtype 7", snap, budget, &bad, 1, "KVEVICT_F8_E5M2", __LINE__);
+  }
+
   /* the arguments */
   CHECK(kvevict_select_layers(snap, budget, &good, 1, NULL) == KVEVICT_INVALID_ARGUMENT);
   check_message("select: out NULL", "out", __LINE__);
@@ -917,6 +1042,7 @@ int main(void) {
   CHECK(kvevict_last_error() != NULL && kvevict_last_error()[0] == '\0');
   test_version();
   test_every_policy();
+  test_quantized();
   test_composed();
   test_token_major();
   test_window_attention();

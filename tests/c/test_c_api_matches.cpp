@@ -90,6 +90,10 @@ Buf make_buf(kvevict_dtype dt, const std::vector<double>& x) {
     case KVEVICT_BF16:
       b.data = cast_all<Eigen::bfloat16>(x);
       break;
+    case KVEVICT_I8:
+    case KVEVICT_F8_E4M3:
+    case KVEVICT_F8_E5M2:  // quantized caches: tests/c/test_c_api.c and python/tests compare them with float32
+      FAIL("make_buf: the codes of a quantized cache are not floating values");
   }
   return b;
 }
@@ -505,6 +509,10 @@ Outcome reference_in(const PolicyName& p, const kvevict::Knobs& knobs, const std
       return reference_typed<Eigen::half, S>(p, knobs, layers, budget);
     case KVEVICT_BF16:
       return reference_typed<Eigen::bfloat16, S>(p, knobs, layers, budget);
+    case KVEVICT_I8:
+    case KVEVICT_F8_E4M3:
+    case KVEVICT_F8_E5M2:
+      FAIL("reference_in: quantized caches are compared with float32 caches elsewhere (tests/c/test_c_api.c)");
   }
   return {};
 }

@@ -17,7 +17,7 @@
  * Every function that can fail returns a kvevict_status; the message of the calling thread's last failure is
  * kvevict_last_error(). No C++ exception crosses this boundary. A policy is immutable once created: any number of
  * threads may select with it at once (each with its own output). The semantics are those of the C++ API
- * (docs/algorithms.md); the option names and values those of `kvevict-select --help` (docs/c-api.md).
+ * (docs/algorithms.md); the option names and values those of `kvevict-select --help` (docs/bindings.md).
  */
 #ifndef KVEVICT_C_KVEVICT_H
 #define KVEVICT_C_KVEVICT_H
@@ -44,17 +44,22 @@ typedef enum kvevict_status {
   KVEVICT_INTERNAL_ERROR = 3 /* a bug: please report the message */
 } kvevict_status;
 
-/* Element types of tensors. Keys and values share one; queries, attention and W_o may each have any. */
+/* Element types of tensors. Keys and values share one; queries, attention and W_o may each have any of the first
+ * four. The last three are the codes of a quantized KV cache (keys and values only), read through keys_scale and
+ * values_scale (docs/algorithms.md section 9). */
 typedef enum kvevict_dtype {
   KVEVICT_F32 = 0,
   KVEVICT_F64 = 1,
-  KVEVICT_F16 = 2, /* IEEE half */
-  KVEVICT_BF16 = 3 /* bfloat16 */
+  KVEVICT_F16 = 2,     /* IEEE half */
+  KVEVICT_BF16 = 3,    /* bfloat16 */
+  KVEVICT_I8 = 4,      /* int8 codes */
+  KVEVICT_F8_E4M3 = 5, /* fp8 E4M3 codes (OCP, torch.float8_e4m3fn: no infinities, largest finite 448) */
+  KVEVICT_F8_E5M2 = 6  /* fp8 E5M2 codes (OCP, torch.float8_e5m2) */
 } kvevict_dtype;
 
-/* A strided tensor of rank 2 or 3 (rank by its role below). strides are in elements, not bytes; a tensor with
- * data == NULL is absent. Any strides are accepted: the innermost dimension at stride 1 and the others >= 0 are read
- * in place; other layouts are copied first. */
+/* A strided tensor of rank 0 to 3 (rank by its role below; rank 0: one element at data). strides are in elements,
+ * not bytes; a tensor with data == NULL is absent. Any strides are accepted: the innermost dimension at stride 1 and
+ * the others >= 0 are read in place; other layouts are copied first. */
 typedef struct kvevict_tensor {
   const void* data;
   int32_t dtype; /* a kvevict_dtype (stored as int32_t: any value is checked, never undefined) */
@@ -71,12 +76,19 @@ typedef struct kvevict_tensor {
  *   lengths           [Hkv] int64  ragged layers: head h holds rows [0, lengths[h]); NULL: every head holds L
  *   positions         [Hkv, L] int64 at positions_strides (elements): original positions, strictly increasing along
  *                     each head; NULL: row j is at position j
- * Only what the policy reads needs to be present (kvevict_policy_reads). */
+ *   keys_scale,       quantized caches (keys and values KVEVICT_I8, KVEVICT_F8_E4M3 or KVEVICT_F8_E5M2) only: F32
+ *   values_scale      dequantisation factors, [] (rank 0) or [1] (one factor for the tensor, vLLM's k_scale /
+ *                     v_scale), [L] (one per token, shared by the KV heads) or [Hkv, L] (one per KV head and token,
+ *                     any strides); absent: 1. Entry j of KV head h holds float(code) * factor, and the selection
+ *                     is exactly that of F32 keys and values holding those values (docs/algorithms.md section 9)
+ * Only what the policy reads needs to be present (kvevict_policy_reads). Fields were added at the end over time
+ * (the scales last): start from kvevict_layer_init(). */
 typedef struct kvevict_layer {
   kvevict_tensor keys, values, q_window, window_attention, w_o;
   const int64_t* lengths;
   const int64_t* positions;
   int64_t positions_strides[2];
+  kvevict_tensor keys_scale, values_scale;
 } kvevict_layer;
 
 typedef enum kvevict_budget_kind {
