@@ -3,6 +3,8 @@
 
 #include <kvevict/extend.hpp>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -61,6 +63,37 @@ TEST_CASE("pool1d matches the reference on random vectors (kernels 1..9, avg and
         REQUIRE(got == want);
         const std::vector<float> got_f = pool(kvevict_test::cast_to<float>(x), k, p);
         REQUIRE(kvevict_test::compare_close(kvevict_test::to_double(got_f), want, 1e-6, 1e-6) == "");
+      }
+  }
+}
+
+TEST_CASE("pool1d in float equals the left-to-right loop entry by entry, bit for bit (ties and signed zeros too)",
+          "[pooling]") {
+  const auto loop = [](const std::vector<float>& x, Index k, Pooling p) {  // the definition, one entry at a time
+    const Index n = static_cast<Index>(x.size()), half = k / 2;
+    std::vector<float> out(x.size());
+    for (Index j = 0; j < n; ++j) {
+      const Index lo = std::max<Index>(0, j - half), hi = std::min<Index>(n - 1, j + half);
+      float acc = x[sz(lo)];
+      for (Index t = lo + 1; t <= hi; ++t) acc = p == Pooling::avg ? acc + x[sz(t)] : std::max(acc, x[sz(t)]);
+      out[sz(j)] = p == Pooling::avg ? acc / static_cast<float>(k) : acc;
+    }
+    return out;
+  };
+  const auto bits = [](const std::vector<float>& v) {
+    std::vector<std::uint32_t> b(v.size());
+    std::memcpy(b.data(), v.data(), v.size() * sizeof(float));
+    return b;
+  };
+  Rng rng(43);
+  for (Index n : {1, 2, 5, 6, 7, 8, 15, 16, 17, 31, 33, 100, 1000, 4099}) {
+    std::vector<float> x = kvevict_test::cast_to<float>(kvevict_test::normal_vector(sz(n), rng));
+    for (std::size_t i = 0; i < x.size(); i += 3) x[i] = i % 2 ? 0.0f : -0.0f;  // ties between signed zeros
+    for (std::size_t i = 1; i < x.size(); i += 5) x[i] = 1e-3f * static_cast<float>(i % 4);  // repeated values
+    for (Index k : {1, 3, 5, 7, 9, 15})
+      for (Pooling p : {Pooling::avg, Pooling::max}) {
+        INFO("n=" << n << " kernel=" << k << " " << kvevict::to_string(p));
+        REQUIRE(bits(pool(x, k, p)) == bits(loop(x, k, p)));
       }
   }
 }
