@@ -447,4 +447,13 @@ std::vector<kvevict::Selection> run_policy(const Options& o, const std::vector<k
   return out;
 }
 
+#ifdef KVEVICT_POLICY_RUNS_EXTERN  // float and double caches: compiled once, in tools/policy_runs.cpp
+extern template std::vector<kvevict::Selection> run_policy<float>(const Options&,
+                                                                  const std::vector<kvevict::LayerInputs<float>>&,
+                                                                  std::optional<Index>);
+extern template std::vector<kvevict::Selection> run_policy<double>(const Options&,
+                                                                   const std::vector<kvevict::LayerInputs<double>>&,
+                                                                   std::optional<Index>);
+#endif
+
 }  // namespace kvevict::tools

@@ -164,13 +164,12 @@ struct LayerHold {
   LayerInputs<KV, S, S> inputs;
 };
 
-/// The dequantisation scale of a quantized cache tensor [Hkv, L, d] from its F32 scale tensor `t` (absent: none):
+/// The dequantisation scale of a quantized cache tensor [Hkv, L, d] from its F32 scale tensor `t` (present):
 /// [] (or [1]) one factor, [L] one per token, [Hkv, L] one per KV head and token (copied into `token`, any strides).
 /// `name` is e.g. "layers[0].keys_scale".
-inline KVScale scale_of(const kvevict_tensor& t, Index Hkv, Index L, std::vector<float>& token,
-                        const std::string& name) {
+inline KVScale scale_factors(const kvevict_tensor& t, Index Hkv, Index L, std::vector<float>& token,
+                             const std::string& name) {
   KVScale scale;
-  if (!t.data) return scale;
   const std::string dims = "[] (one factor), [" + std::to_string(L) + "] (one per token) or [" + std::to_string(Hkv) +
                            ", " + std::to_string(L) + "] (one per KV head and token)";
   if (t.dtype != KVEVICT_F32)
@@ -200,6 +199,21 @@ inline KVScale scale_of(const kvevict_tensor& t, Index Hkv, Index L, std::vector
                      "[" + (per_head ? std::to_string(a) + ", " : std::string()) + std::to_string(j) + "]");
   scale.token = per_head ? per_head_token_scales(token.data(), Hkv, L) : per_token_scales(token.data(), Hkv, L);
   return scale;
+}
+
+/// The scale `t` (layer `in`'s keys_scale or values_scale, named `name`) of a cache stored as KV: none when absent,
+/// refused for a floating cache.
+template <class KV>
+KVScale scale_of(const kvevict_layer& in, const kvevict_tensor& t, Index Hkv, Index L, std::vector<float>& token,
+                 const std::string& name) {
+  if (!t.data) return {};
+  if constexpr (!is_quantized_v<KV>) {
+    throw invalid_argument(name + " is given and the cache is " + dtype_name(in.keys.dtype) +
+                           "; expected scales only for quantized caches (KVEVICT_I8, KVEVICT_F8_E4M3, "
+                           "KVEVICT_F8_E5M2)");
+  } else {
+    return scale_factors(t, Hkv, L, token, name);
+  }
 }
 
 /// Checks layer `at`'s keys (present, [Hkv, L, d], stored as KV) and its values when present (the keys' dtype, Hkv
@@ -239,15 +253,11 @@ std::vector<Selection> select_typed(const tools::Options& options, const kvevict
       h.values = hold3<KV>(in.values);
       h.inputs.values = h.values.view();
     }
-    for (const auto& [scale, of] : {std::pair{&in.keys_scale, "keys"}, std::pair{&in.values_scale, "values"}}) {
-      if (scale->data && !is_quantized_v<KV>)
-        throw invalid_argument(at + of + "_scale is given and the cache is " + dtype_name(in.keys.dtype) +
-                               "; expected scales only for quantized caches (KVEVICT_I8, KVEVICT_F8_E4M3, "
-                               "KVEVICT_F8_E5M2)");
-    }
+    const KVScale keys_scale = scale_of<KV>(in, in.keys_scale, Hkv, L, h.keys_scale, at + "keys_scale");
+    const KVScale values_scale = scale_of<KV>(in, in.values_scale, Hkv, L, h.values_scale, at + "values_scale");
     if constexpr (is_quantized_v<KV>) {
-      h.inputs.keys_scale = scale_of(in.keys_scale, Hkv, L, h.keys_scale, at + "keys_scale");
-      h.inputs.values_scale = scale_of(in.values_scale, Hkv, L, h.values_scale, at + "values_scale");
+      h.inputs.keys_scale = keys_scale;
+      h.inputs.values_scale = values_scale;
     }
     if (in.q_window.data && in.window_attention.data)
       throw invalid_argument(at + "q_window and " + at + "window_attention are both given; expected exactly one");
@@ -305,62 +315,68 @@ std::vector<Selection> select_typed(const tools::Options& options, const kvevict
   return tools::run_policy<S>(options, inputs, window);
 }
 
-/// A quantized cache's keys or values `t` [Hkv, L, d] (checked by the caller) as F64 values: row [h, j] is
-/// float(code) * factor(h, j) in float, as the library dequantizes it, then widened (what select<double> reads from
-/// the codes), into `out`.
+/// Keys or values `t` [Hkv, L, d] stored as KV (checked by the caller) as F64 values, in `out`: what select<double>
+/// reads from them. A floating value is widened exactly; a quantized row [h, j] is float(code) * factor(h, j) in
+/// float, as the library dequantizes it, then widened (a NaN code or a factor that overflows a value is named here,
+/// as the library names it).
 template <class KV>
-kvevict_tensor dequantized_f64(const kvevict_tensor& t, const KVScale& scale, std::vector<double>& out,
-                               const std::string& name) {
-  const Held<KV> codes = hold3<KV>(t);
-  const Index Hkv = codes.heads, L = codes.rows, d = codes.cols;
-  out.resize(static_cast<std::size_t>(Hkv * L * d));
-  std::vector<float> row(static_cast<std::size_t>(d));
-  for (Index h = 0; h < Hkv; ++h) {
-    const detail::RowScale factor = detail::row_scale(scale, h);
-    for (Index j = 0; j < L; ++j) {
-      detail::dequantize(codes.view().row(h, j), factor(j), row.data(), d);
-      for (Index c = 0; c < d; ++c)  // a NaN code, or a factor that overflows a value (as the library reports it)
-        if (!std::isfinite(row[static_cast<std::size_t>(c)]))
-          throw invalid_argument(detail::concat(name, "[", h, ", ", j, ", ", c, "] is not finite (",
-                                                row[static_cast<std::size_t>(c)], " = stored ",
-                                                static_cast<float>(codes.view().row(h, j)[c]), " x scale ", factor(j),
-                                                "); the inputs contain NaN or Inf values"));
-      std::copy(row.begin(), row.end(), out.begin() + (h * L + j) * d);
+kvevict_tensor widened_f64(const kvevict_tensor& t, const KVScale& scale, std::vector<double>& out,
+                           const std::string& name) {
+  const Index Hkv = t.shape[0], L = t.shape[1], d = t.shape[2];
+  if constexpr (!is_quantized_v<KV>) {
+    out = hold3<double>(t).copy;  // KV is not double: always a contiguous copy
+  } else {
+    const Held<KV> codes = hold3<KV>(t);
+    out.resize(static_cast<std::size_t>(Hkv * L * d));
+    std::vector<float> row(static_cast<std::size_t>(d));
+    for (Index h = 0; h < Hkv; ++h) {
+      const detail::RowScale factor = detail::row_scale(scale, h);
+      for (Index j = 0; j < L; ++j) {
+        detail::dequantize(codes.view().row(h, j), factor(j), row.data(), d);
+        for (Index c = 0; c < d; ++c)
+          if (!std::isfinite(row[static_cast<std::size_t>(c)]))
+            throw invalid_argument(detail::concat(name, "[", h, ", ", j, ", ", c, "] is not finite (",
+                                                  row[static_cast<std::size_t>(c)], " = stored ",
+                                                  static_cast<float>(codes.view().row(h, j)[c]), " x scale ", factor(j),
+                                                  "); the inputs contain NaN or Inf values"));
+        std::copy(row.begin(), row.end(), out.begin() + (h * L + j) * d);
+      }
     }
   }
   const std::int64_t shape[3] = {Hkv, L, d};
   return kvevict_tensor_contiguous(out.data(), KVEVICT_F64, 3, shape);
 }
 
+/// The selections of the layers, whose keys (and values) are stored as KV. At precision f32 the cache is read as
+/// stored (in place where the library can view it). At f64, a reference precision, a cache stored in any other type
+/// than double is widened into F64 copies first (widened_f64: what select<double> reads from it, so the selection is
+/// the same), so that select_f64.cpp's instances serve every dtype: one instance per dtype instead of two.
 template <class KV>
 std::vector<Selection> select_storage(const tools::Options& options, const Budget& budget, const kvevict_layer* layers,
                                       std::size_t n_layers) {
   tools::Options o = options;
   o.budget = budget;
-  if constexpr (is_quantized_v<KV>) {
-    // Quantized caches run in place at precision f32; at f64 (a reference precision) through F64 copies of the
-    // dequantized values, which select exactly as the codes would, so that the double instances serve every dtype.
+  if constexpr (std::is_same_v<KV, double>) {
+    return options.precision == "f64" ? select_typed<double, double>(o, layers, n_layers)
+                                      : select_typed<double, float>(o, layers, n_layers);
+  } else {
     if (options.precision != "f64") return select_typed<KV, float>(o, layers, n_layers);
     std::vector<kvevict_layer> copies(layers, layers + n_layers);
-    std::vector<std::vector<double>> values(2 * n_layers);
+    std::vector<std::vector<double>> widened(2 * n_layers);  // layer l's keys at 2l, its values at 2l + 1
     for (std::size_t l = 0; l < n_layers; ++l) {
       const kvevict_layer& in = layers[l];
       const std::string at = "layers[" + std::to_string(l) + "].";
       check_cache<KV>(in, at);
       const Index Hkv = in.keys.shape[0], L = in.keys.shape[1];
       std::vector<float> token;
-      copies[l].keys = dequantized_f64<KV>(in.keys, scale_of(in.keys_scale, Hkv, L, token, at + "keys_scale"),
-                                           values[2 * l], at + "keys");
-      if (in.values.data) {
-        copies[l].values = dequantized_f64<KV>(in.values, scale_of(in.values_scale, Hkv, L, token, at + "values_scale"),
-                                               values[2 * l + 1], at + "values");
-      }
+      const KVScale keys_scale = scale_of<KV>(in, in.keys_scale, Hkv, L, token, at + "keys_scale");
+      copies[l].keys = widened_f64<KV>(in.keys, keys_scale, widened[2 * l], at + "keys");
+      const KVScale values_scale = scale_of<KV>(in, in.values_scale, Hkv, L, token, at + "values_scale");
+      if (in.values.data)
+        copies[l].values = widened_f64<KV>(in.values, values_scale, widened[2 * l + 1], at + "values");
       copies[l].keys_scale.data = copies[l].values_scale.data = nullptr;
     }
     return select_storage<double>(options, budget, copies.data(), n_layers);  // select_f64.cpp's instance
-  } else {
-    return options.precision == "f64" ? select_typed<KV, double>(o, layers, n_layers)
-                                      : select_typed<KV, float>(o, layers, n_layers);
   }
 }
 

@@ -823,6 +823,9 @@ static void test_select_errors(void) {
                  *crit = create("criticalkv", NULL, NULL, 0, __LINE__),
                  *window5 = create("snapkv", wk, wv, 1, __LINE__), *block8 = create("snapkv", bk, bv, 1, __LINE__),
                  *global = create("layer-defensivekv", NULL, NULL, 0, __LINE__);
+  const char* f64k[] = {"precision"};
+  const char* f64v[] = {"f64"};
+  kvevict_policy* snap64 = create("snapkv", f64k, f64v, 1, __LINE__);
   kvevict_layer good, bad, two[2];
   kvevict_budget budget = kvevict_tokens(BUDGET), weird;
   int j;
@@ -832,7 +835,7 @@ static void test_select_errors(void) {
   for (j = 0; j < H * W * L; ++j) attn[j] = 1.0f / L;
   for (j = 0; j < HKV * L; ++j) positions[j] = j % L;
   good = layer_of(&a);
-  if (!snap || !crit || !window5 || !block8 || !global) return;
+  if (!snap || !crit || !window5 || !block8 || !global || !snap64) return;
 
   /* quantized caches */
   {
@@ -846,6 +849,18 @@ static void test_select_errors(void) {
     bad = good;
     bad.keys_scale = kvevict_tensor_contiguous(&one, KVEVICT_F32, 0, NULL);
     select_error("scale for an f32 cache", snap, budget, &bad, 1, "quantized caches", __LINE__);
+    select_error("scale for an f32 cache, f64", snap64, budget, &bad, 1, "quantized caches", __LINE__);
+    bad = good;
+    bad.values = kvevict_tensor_contiguous(v16, KVEVICT_F16, 3, KV_SHAPE);
+    bad.keys = bad.values;
+    bad.values_scale = kvevict_tensor_contiguous(&one, KVEVICT_F32, 0, NULL);
+    select_error("values scale for an f16 cache", snap, budget, &bad, 1, "values_scale is given", __LINE__);
+    select_error("values scale for an f16 cache, f64", snap64, budget, &bad, 1, "values_scale is given", __LINE__);
+    bad = q;
+    bad.values.data = NULL;
+    bad.values_scale = kvevict_tensor_contiguous(&wide, KVEVICT_F64, 0, NULL);
+    select_error("values scale f64, no values", snap, budget, &bad, 1, "values_scale is f64", __LINE__);
+    select_error("values scale f64, no values, f64", snap64, budget, &bad, 1, "values_scale is f64", __LINE__);
     bad = q;
     bad.values = good.values;
     select_error("i8 keys, f32 values", snap, budget, &bad, 1, "one dtype", __LINE__);
@@ -966,6 +981,7 @@ static void test_select_errors(void) {
   kvevict_policy_free(window5);
   kvevict_policy_free(block8);
   kvevict_policy_free(global);
+  kvevict_policy_free(snap64);
   context[0] = '\0';
 }
 
