@@ -37,18 +37,28 @@ struct Shape {
   int H, Hkv, w, L, d, D;
 };
 
+/// H and w from the window queries, or from the window attention when the layer gives that instead.
 template <class KV, class Q, class W>
 Shape shape_of(const kvevict::LayerInputs<KV, Q, W>& in) {
-  return {static_cast<int>(in.queries.heads()), static_cast<int>(in.keys.heads()), static_cast<int>(in.queries.rows()),
-          static_cast<int>(in.keys.rows()),     static_cast<int>(in.keys.cols()),  static_cast<int>(in.w_o.rows())};
+  const auto& window = in.queries.heads() == 0 ? in.attention : in.queries;
+  return {static_cast<int>(window.heads()), static_cast<int>(in.keys.heads()), static_cast<int>(window.rows()),
+          static_cast<int>(in.keys.rows()), static_cast<int>(in.keys.cols()),  static_cast<int>(in.w_o.rows())};
 }
 
-/// attn [H][w][L] in double (the reference's layout), logits from a float GEMM.
+/// attn [H][w][L] in double (the reference's layout): the given window attention widened, or softmax rows of
+/// logits from a float GEMM.
 template <class KV, class Q, class W>
 std::vector<double> window_attention(const kvevict::LayerInputs<KV, Q, W>& in, const Shape& s) {
   const int G = s.H / s.Hkv, P = s.L - s.w;
   const double scale = 1.0 / std::sqrt(static_cast<double>(s.d));
   std::vector<double> attn(static_cast<std::size_t>(s.H) * s.w * s.L, 0.0);
+  if (in.queries.heads() == 0) {
+    for (int q = 0; q < s.H; ++q)
+      for (int i = 0; i < s.w; ++i)
+        for (int j = 0; j < s.L; ++j)
+          attn[(static_cast<std::size_t>(q) * s.w + i) * s.L + j] = static_cast<double>(in.attention.head(q)(i, j));
+    return attn;
+  }
   FloatMatrix logits;
   for (int q = 0; q < s.H; ++q) {
     const FloatMatrix k = in.keys.head(q / G).template cast<float>();
