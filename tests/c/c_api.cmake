@@ -33,7 +33,7 @@ else()
   add_test(NAME c_api.c_program COMMAND kvevict_c_program)  # the exit status: nonzero on any failed CHECK
 endif()
 
-# The comparison with the C++ API in dev and clang (under the sanitizers the C program above covers the C API's
+# The comparison with the C++ API in dev (under the sanitizers the C program above covers the C API's
 # memory: every policy and every error path; this test is a 4-minute compile there and adds no path of its own).
 if(KVEVICT_SANITIZED)
   return()
