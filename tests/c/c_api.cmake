@@ -19,7 +19,7 @@ else()
   set_target_properties(kvevict_c_program PROPERTIES C_STANDARD 99 C_STANDARD_REQUIRED ON C_EXTENSIONS OFF)
   target_compile_options(kvevict_c_program PRIVATE
     $<$<C_COMPILER_ID:GNU,Clang,AppleClang>:-Wall -Wextra -pedantic -Wshadow -Werror>)
-  # The sanitizer presets set CMAKE_CXX_FLAGS only: the C program gets the same sanitizers (and their -O1), so that
+  # The sanitizer presets set CMAKE_CXX_FLAGS only: the C program gets the same sanitizers (and their -O level), so that
   # the sanitizer run covers it too.
   if(KVEVICT_SANITIZED)
     separate_arguments(_kvevict_c_sanitize UNIX_COMMAND "${CMAKE_CXX_FLAGS}")
