@@ -230,6 +230,57 @@ TEST_CASE("every scored preset works as the base of Policy<Base, Selector>, with
   CHECK(kvevict::Policy<kvevict::AdaKV, kvevict::CriticalSelector>{}.params().alpha == 0.2);
 }
 
+TEST_CASE("catalogue::base_of: each named policy's base, whose composition with its selector allocates as it does",
+          "[catalogue][composition]") {
+  namespace cat = kvevict::catalogue;
+  CHECK(cat::base_of<kvevict::StreamingLLM>().empty());
+  CHECK(cat::base_of<kvevict::SnapKV>() == "snapkv");
+  CHECK(cat::base_of<kvevict::AdaKV>() == "adakv");
+  CHECK(cat::base_of<kvevict::CriticalKV>() == "adakv");
+  CHECK(cat::base_of<kvevict::CriticalSnapKV>() == "snapkv");
+  CHECK(cat::base_of<kvevict::DefensiveKV>() == "defensivekv");  // flat top-k (alpha 0), not AdaKV's 0.2
+  CHECK(cat::base_of<kvevict::LayerDefensiveKV>() == "layer");
+  CHECK(cat::base_of<kvevict::OpenDefensiveKV>() == "layer");
+  CHECK(cat::base_of<kvevict::AdaKVDefensive>() == "adakv");
+  CHECK(cat::base_of<kvevict::PyramidKV>() == "pyramidkv");  // its scheduled allocation, not a per-layer one
+  CHECK(cat::base_of<kvevict::TOVA>() == "snapkv");
+  CHECK(cat::base_of<kvevict::KeyDiff>() == "snapkv");
+  CHECK(cat::base_of<kvevict::H2O>() == "snapkv");
+
+  // Generically: compose(base_of<P>(), P's selector) with P's selector parameters selects what P selects.
+  Rng rng(1204);
+  const Shape s{8, 4, 6, 90, 16};
+  const auto a = kvevict_test::store_v<double>(kvevict_test::random_vlayer(s, 24, rng), Layout::heads_major);
+  const auto b = kvevict_test::store_v<double>(kvevict_test::random_vlayer(s, 24, rng), Layout::heads_major);
+  const std::vector<kvevict::LayerInputs<double>> model = {a.in, b.in};
+  cat::for_each(cat::entries(), [&](const auto& entry) {
+    using P = typename std::decay_t<decltype(entry)>::policy_type;
+    if constexpr (!std::is_same_v<P, kvevict::StreamingLLM>) {
+      INFO(entry.name << " as " << cat::base_of<P>());
+      bool composed = false;
+      cat::for_each(cat::selectors(), [&](const auto& selector_entry) {
+        using Sel = typename std::decay_t<decltype(selector_entry)>::selector_type;
+        if constexpr (std::is_same_v<Sel, typename P::SelectorType>) {
+          composed = cat::compose(cat::base_of<P>(), selector_entry.name, [&](const auto& c) {
+            using C = typename std::decay_t<decltype(c)>::policy_type;
+            if constexpr (std::is_same_v<typename C::SelectorType, Sel>) {  // compose() instantiates every pair
+              typename P::Params p;
+              p.window = s.w;
+              typename C::Params q;
+              // The selector's and the layout's parameters are P's (TOVA's window 1, H2O's recent share, ...).
+              static_cast<typename Sel::Params&>(q) = p;
+              static_cast<kvevict::CommonParams&>(q) = p;
+              CHECK(same(kvevict::select_layers<double>(C(q), model, Budget::tokens(40)),
+                         kvevict::select_layers<double>(P(p), model, Budget::tokens(40))));
+            }
+          });
+        }
+      });
+      CHECK(composed);
+    }
+  });
+}
+
 namespace {
 struct WrongSelect : kvevict::KeyNormSelector {  // a select() the policy would never call
   void select() const {}

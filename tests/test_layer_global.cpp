@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "support/matchers.hpp"
@@ -41,6 +42,14 @@ ScoreMap<double> map_of(const std::vector<double>& scores, Index heads, Index to
   ScoreMap<double> m(heads, tokens);
   for (std::size_t f = 0; f < scores.size(); ++f) m.score[f] = scores[f];
   return m;
+}
+
+bool same(const Selection& x, const Selection& y) { return x.indices() == y.indices() && x.offsets() == y.offsets(); }
+bool same(const std::vector<Selection>& x, const std::vector<Selection>& y) {
+  if (x.size() != y.size()) return false;
+  for (std::size_t i = 0; i < x.size(); ++i)
+    if (!same(x[i], y[i])) return false;
+  return true;
 }
 
 Budgets allocate(const std::vector<ScoreMap<double>>& maps, Index total) {
@@ -462,6 +471,55 @@ TEST_CASE("LayerGlobalPolicy errors: no layer, bad layer shapes, bad params", "[
   cp.kernel = 4;
   REQUIRE_THROWS_MATCHES(kvevict::LayerGlobalPolicy<kvevict::CriticalSelector>(cp), kvevict::invalid_argument,
                          MessageContains("kernel must be an odd number"));
+}
+
+TEST_CASE("LayerGlobalPolicy has Policy's entry points: plan(budget, layers), select of one layer", "[layer_global]") {
+  Rng rng(905);
+  const Shape s{8, 2, 4, 40, 8};
+  const auto a = kvevict_test::store_v<float>(kvevict_test::random_vlayer(s, 8, rng), Layout::heads_major);
+  const auto b = kvevict_test::store_v<float>(kvevict_test::random_vlayer(s, 8, rng), Layout::heads_major);
+  const std::vector<kvevict::LayerInputs<float>> model = {a.in, b.in};
+  const Budget budget = Budget::tokens(10);
+  // Generic code over both kinds of policy: the same calls compile and select as the kinds' own entry points.
+  const auto run = [&](const auto& policy) {
+    auto plan = policy.template plan<float>(budget, 2);
+    for (const auto& in : model) plan.add(in);
+    const std::vector<Selection> planned = plan.apply();
+    CHECK(same(planned, policy.select(model, budget)));
+    return std::make_pair(planned, policy.select(a.in, budget));
+  };
+  kvevict::LayerDefensiveKV::Params lp;
+  lp.window = s.w;
+  const kvevict::LayerDefensiveKV layer_global(lp);
+  kvevict::DefensiveKV::Params dp;
+  dp.window = s.w;
+  const auto global = run(layer_global);
+  run(kvevict::DefensiveKV(dp));
+  // One layer is a model of one layer, under every signature.
+  const Selection alone = layer_global.select(std::vector<kvevict::LayerInputs<float>>{a.in}, budget).front();
+  CHECK(same(global.second, alone));
+  CHECK(same(layer_global.select(a.in, budget, 0), alone));
+  CHECK(same(layer_global.select(a.in, budget, 0, 1), alone));
+  // A layer of a larger model is not selected alone; the plan checks the layer count it was made for.
+  REQUIRE_THROWS_MATCHES(layer_global.select(b.in, budget, 1), kvevict::invalid_argument,
+                         MessageContains("kvevict::LayerDefensiveKV::select (layer 1): one budget across layers "
+                                         "selects every layer at once"));
+  REQUIRE_THROWS_MATCHES(layer_global.select(a.in, budget, 0, 2), kvevict::invalid_argument,
+                         MessageContains("got layer 0 of 2"));
+  auto short_plan = layer_global.plan<float>(budget, 2);
+  short_plan.add(a.in);
+  REQUIRE_THROWS_MATCHES(
+      short_plan.apply(), kvevict::invalid_argument,
+      MessageContains("kvevict::LayerDefensiveKV::apply: the plan was made for 2 layers, 1 were added"));
+  short_plan.add(b.in);
+  REQUIRE_THROWS_MATCHES(short_plan.add(a.in), kvevict::invalid_argument,
+                         MessageContains("kvevict::LayerDefensiveKV::add (layer 2): the plan was made for 2 layers"));
+  REQUIRE_THROWS_MATCHES(layer_global.plan<float>(budget, -1), kvevict::invalid_argument,
+                         MessageContains("kvevict::LayerDefensiveKV::plan: layers must be >= 0, got -1"));
+  // Errors of a one-layer select name the call.
+  REQUIRE_THROWS_MATCHES(
+      kvevict::LayerDefensiveKV().select(a.in, budget), kvevict::invalid_argument,
+      MessageContains("kvevict::LayerDefensiveKV::select (layer 0): queries rows (4) must equal the window (32)"));
 }
 
 }  // namespace test_layer_global

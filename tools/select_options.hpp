@@ -144,7 +144,8 @@ inline Index parse_int(const std::string& flag, const std::string& text) {
   return static_cast<Index>(v);
 }
 
-/// The base and selector a named policy stands for (the output's metadata): its allocation and its scoring.
+/// The base and selector a named policy stands for (the output's metadata): its allocation and its scoring, as
+/// catalogue::base_of finds them (the base whose allocation and defaults P has: pyramidkv, defensivekv, ...).
 template <class Entry>
 void name_parts(const Entry&, Options& o) {
   using P = typename Entry::policy_type;
@@ -152,10 +153,7 @@ void name_parts(const Entry&, Options& o) {
     o.base = "streamingllm";
     o.selector = "none";
   } else {
-    if constexpr (Entry::layer_global)
-      o.base = "layer";
-    else
-      o.base = Entry::scope == kvevict::BudgetScope::head ? "snapkv" : "adakv";
+    o.base = std::string(kvevict::catalogue::base_of<P>());
     kvevict::catalogue::for_each(kvevict::catalogue::selectors(), [&](const auto& s) {
       if (std::is_same_v<typename std::decay_t<decltype(s)>::selector_type, typename P::SelectorType>)
         o.selector = s.name;

@@ -37,7 +37,7 @@ struct KeyNormSelector {
   struct Params {
     double norm_order = 2.0;  ///< p of the L_p norm (2 in the paper); field names must not clash with other Params
     void validate(const char* where) const {
-      kvevict::detail::require(std::isfinite(norm_order) && norm_order >= 1.0, where,
+      kvevict::extend::require(std::isfinite(norm_order) && norm_order >= 1.0, where,
                                "norm_order must be finite and >= 1, got ", norm_order);
     }
   };
@@ -83,7 +83,7 @@ struct ProportionalAllocation {
   struct Params {
     double uniform_share = 0.5;  ///< 1: split evenly (= the uniform allocation), 0: by score mass alone
     void validate(const char* where) const {
-      kvevict::detail::require(std::isfinite(uniform_share) && uniform_share >= 0.0 && uniform_share <= 1.0, where,
+      kvevict::extend::require(std::isfinite(uniform_share) && uniform_share >= 0.0 && uniform_share <= 1.0, where,
                                "uniform_share must be in [0, 1], got ", uniform_share);
     }
   };

@@ -18,6 +18,7 @@
 ///   2.6-2.7 ranking, top-k     ranking/score_map.hpp           ScoreMap, Tier
 ///                              ranking/topk.hpp                KeepFlags, top_k_of_head, top_k_counts
 ///   selectors' shared steps    selectors/selector.hpp          scores_with_window, select_top_per_head
+///   errors and input checks    core/error.hpp, core/inputs.hpp require, validate_inputs
 ///   8 sharing and blocks       layout/units.hpp                Grouping, group_maps, to_units, unit_budget, expand
 /// (section numbers: docs/algorithms.md)
 
@@ -37,3 +38,12 @@
 #include "kvevict/ranking/topk.hpp"
 #include "kvevict/selectors/selector.hpp"
 #include "kvevict/value/value_norm.hpp"
+
+namespace kvevict::extend {
+/// How a Selector or an Allocation reports bad parameters or inputs: throws kvevict::invalid_argument with the
+/// message "kvevict::<where>: <parts...>" unless `ok` (the parts are streamed: text and numbers).
+using detail::require;
+/// The checks of docs/algorithms.md section 1 (and section 6 for ragged layers) on a layer's inputs for an
+/// observation window of `window` queries; returns the layer's shape.
+using detail::validate_inputs;
+}  // namespace kvevict::extend

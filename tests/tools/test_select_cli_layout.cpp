@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <random>
 #include <sstream>
 #include <string>
@@ -223,6 +224,12 @@ void expect_library(const std::string& policy, const BudgetFlag& b, const Layout
   CHECK(f.metadata().at("reduce") == layout.reduce);
   CHECK(f.metadata().at("block") == std::to_string(layout.block));
   CHECK(f.metadata().at("policy") == policy);
+  // The metadata names the policy's real composition (catalogue::base_of), not a guess from its budget scope.
+  static const std::map<std::string, std::string> bases = {
+      {"streamingllm", "streamingllm"}, {"snapkv", "snapkv"},       {"adakv", "adakv"},
+      {"defensivekv", "defensivekv"},   {"pyramidkv", "pyramidkv"}, {"layer-defensivekv", "layer"},
+      {"open-defensivekv", "layer"}};
+  if (const auto it = bases.find(policy); it != bases.end()) CHECK(f.metadata().at("base") == it->second);
   CHECK(f.tensors().size() == (layout.block > 1 ? 5 : 3) * layers.size());
   for (std::size_t l = 0; l < layers.size(); ++l) {
     CAPTURE(l);

@@ -103,6 +103,15 @@ void for_each_knob(K& k, F&& f) {
   if constexpr (std::is_base_of_v<H2OSelector::Params, Params>)
     f("recent_share", k.recent_share, &H2OSelector::Params::recent_share);
 }
+
+/// Whether two Params of one type hold the same value in every knob they have (allocation defaults, say).
+template <class Params>
+bool same_knobs(const Params& a, const Params& b) {
+  bool same = true;
+  const Knobs none;
+  for_each_knob<Params>(none, [&](const char*, const auto&, auto member) { same = same && a.*member == b.*member; });
+  return same;
+}
 }  // namespace detail
 
 /// Copies the knobs that are set into `p`, for the fields Params has (the others are ignored: see knob_names()).
@@ -253,6 +262,29 @@ bool visit(std::string_view name, F&& f) {
     if (!found && e.name == name) {
       found = true;
       f(e);
+    }
+  });
+  return found;
+}
+
+/// The name in bases() of the base that P's allocation is: the first with P's allocation type and allocation
+/// defaults ("layer" for a layer-global policy), so that compose(base_of<P>(), selector) allocates as P does.
+/// Empty for a policy with no allocation to reuse (StreamingLLM).
+template <class P>
+std::string_view base_of() {
+  std::string_view found;
+  for_each(bases(), [&](const auto& b) {
+    using B = typename std::decay_t<decltype(b)>::policy_type;
+    if (!found.empty()) return;
+    if constexpr (kvevict::detail::is_layer_global<P>::value || kvevict::detail::is_layer_global<B>::value) {
+      if (kvevict::detail::is_layer_global<P>::value && kvevict::detail::is_layer_global<B>::value) found = b.name;
+    } else if constexpr (kvevict::detail::base_traits<P>::valid) {
+      using A = typename kvevict::detail::base_traits<P>::allocation;
+      if constexpr (std::is_same_v<A, typename kvevict::detail::base_traits<B>::allocation>) {
+        if (kvevict::detail::same_knobs(kvevict::detail::base_traits<P>::allocation_defaults(),
+                                        kvevict::detail::base_traits<B>::allocation_defaults()))
+          found = b.name;
+      }
     }
   });
   return found;

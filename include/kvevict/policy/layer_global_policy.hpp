@@ -47,13 +47,20 @@ class LayerGlobalPolicy {
   template <class S>
   class Plan {
    public:
-    Plan(const LayerGlobalPolicy& policy, const Budget& budget) : policy_(policy), budget_(budget) {}
+    /// `layers`: the model's layer count when known (0: not given), checked by add() and apply(). `call` names the
+    /// entry point in error messages (select() of one layer goes through a plan too).
+    Plan(const LayerGlobalPolicy& policy, const Budget& budget, Index layers = 0, const char* call = "add")
+        : policy_(policy), budget_(budget), model_layers_(layers), call_(call) {
+      detail::require(layers >= 0, (policy_.name_ + "::plan").c_str(), "layers must be >= 0, got ", layers);
+    }
 
     /// Scores the next layer (in model order). Throws kvevict::invalid_argument on bad shapes or budgets, with a
     /// message that starts with "kvevict::<name>::add (layer <i>): ".
     template <class KV, class Q, class W>
     void add(const LayerInputs<KV, Q, W>& in) {
-      const std::string where = policy_.name_ + "::add (layer " + std::to_string(layers_.size()) + ")";
+      const std::string where = policy_.name_ + "::" + call_ + " (layer " + std::to_string(layers_.size()) + ")";
+      detail::require(model_layers_ == 0 || static_cast<Index>(layers_.size()) < model_layers_, where.c_str(),
+                      "the plan was made for ", model_layers_, " layers");
       const extend::LayerShape shape =
           detail::validate_inputs(in, policy_.params_.window, where.c_str(), reads_observation());
       detail::require_dense_for_quirks(shape, policy_.params_.reference_quirks, where.c_str());
@@ -83,6 +90,8 @@ class LayerGlobalPolicy {
     std::vector<Selection> apply() const {
       const std::string where = policy_.name_ + "::apply";
       detail::require(!layers_.empty(), where.c_str(), "no layer was added");
+      detail::require(model_layers_ == 0 || static_cast<Index>(layers_.size()) == model_layers_, where.c_str(),
+                      "the plan was made for ", model_layers_, " layers, ", layers_.size(), " were added");
       if (!policy_.params_.per_head_tokens()) return apply_layout(where);
       detail::require(total_ <= entries_, where.c_str(), "the model budget (", total_,
                       " entries: the sum over layers of kv_heads * n_kept) exceeds what the layers hold (", entries_,
@@ -173,6 +182,8 @@ class LayerGlobalPolicy {
 
     LayerGlobalPolicy policy_;  // a copy (small): the plan may outlive the policy it came from
     Budget budget_;
+    Index model_layers_;
+    std::string call_;
     std::vector<Layer> layers_;
     std::vector<extend::LayerBudget> budgets_;
     std::vector<extend::LayerShape> shapes_;
@@ -191,18 +202,42 @@ class LayerGlobalPolicy {
   static constexpr bool reads_queries() { return detail::reads_queries<SelectorType>::value; }
   bool reads_values() const { return selector_.reads_values(); }
 
-  /// A plan for one model: add() every layer in order, then apply(). S is the arithmetic type.
+  /// A plan for one model: add() every layer in order, then apply(). S is the arithmetic type. `layers`, the
+  /// model's layer count (0: not given), makes add() and apply() check that many are added (Policy::plan's form).
   template <class S = float>
-  Plan<S> plan(const Budget& budget) const {
-    return Plan<S>(*this, budget);
+  Plan<S> plan(const Budget& budget, Index layers = 0) const {
+    return Plan<S>(*this, budget, layers);
   }
 
   /// All layers at once: one Selection per layer.
   template <class S = float, class KV, class Q, class W>
   std::vector<Selection> select(const std::vector<LayerInputs<KV, Q, W>>& layers, const Budget& budget) const {
-    Plan<S> p(*this, budget);
+    Plan<S> p(*this, budget, static_cast<Index>(layers.size()));
     for (const auto& in : layers) p.add(in);
     return p.apply();
+  }
+
+  /// A model of one layer (the budget is that layer's): the same as select({in}, budget).front(), with Policy's
+  /// per-layer signatures, so that generic code compiles for both kinds. A layer of a larger model cannot be
+  /// selected alone under one budget across layers: layer > 0 or layers > 1 is refused (use select(layers, budget)
+  /// or plan()). Errors start with "kvevict::<name>::select (layer <i>): ".
+  template <class S = float, class KV, class Q, class W>
+  Selection select(const LayerInputs<KV, Q, W>& in, const Budget& budget) const {
+    return select<S>(in, budget, 0, 1);
+  }
+  template <class S = float, class KV, class Q, class W>
+  Selection select(const LayerInputs<KV, Q, W>& in, const Budget& budget, Index layer) const {
+    return select<S>(in, budget, layer, 1);
+  }
+  template <class S = float, class KV, class Q, class W>
+  Selection select(const LayerInputs<KV, Q, W>& in, const Budget& budget, Index layer, Index layers) const {
+    detail::require(layer == 0 && layers == 1, (name_ + "::select (layer " + std::to_string(layer) + ")").c_str(),
+                    "one budget across layers selects every layer at once: use select(layers, budget) or "
+                    "plan(budget, layers) (a single layer is a model of one layer: layer 0 of 1), got layer ",
+                    layer, " of ", layers);
+    Plan<S> p(*this, budget, 1, "select");
+    p.add(in);
+    return p.apply().front();
   }
 
  private:

@@ -73,12 +73,7 @@ Index evict_over_budget(const P& policy, CacheBook& book, Index n, Inputs&& inpu
   std::vector<Selection> selections;
   if (model_wide) {
     if constexpr (detail::has_plan<P>::value) {
-      auto plan = [&] {
-        if constexpr (detail::is_layer_policy<P>::value)
-          return policy.template plan<S>(budget, book.layers());  // every layer is due: the plan's order is the model's
-        else
-          return policy.template plan<S>(budget);
-      }();
+      auto plan = policy.template plan<S>(budget, book.layers());  // every layer is due, in the model's order
       for (Index l : due) plan.add(book.layer(l).describe(inputs_of(l)));
       selections = plan.apply();
     } else {
@@ -87,9 +82,8 @@ Index evict_over_budget(const P& policy, CacheBook& book, Index n, Inputs&& inpu
       selections = policy.template select<S>(layers, budget);
     }
   } else {
-    if constexpr (!detail::is_layer_global<P>::value)
-      for (Index l : due)
-        selections.push_back(policy.template select<S>(book.layer(l).describe(inputs_of(l)), budget, l));
+    for (Index l : due)
+      selections.push_back(policy.template select<S>(book.layer(l).describe(inputs_of(l)), budget, l));
   }
   for (std::size_t i = 0; i < due.size(); ++i) apply(due[i], selections[i]);
   book.end_step();
