@@ -85,9 +85,9 @@ TEST_CASE("well-known truncation cases of the ratio forms", "[budget]") {
 TEST_CASE("n_kept outside 1 .. L is an error for all three budget forms", "[budget][errors]") {
   // A token count below 1 is refused when the budget is made, as a ratio out of range is.
   REQUIRE_THROWS_MATCHES(Budget::tokens(0), kvevict::invalid_argument,
-                         MessageContains("kvevict::Budget: tokens must be >= 1, got 0"));
+                         MessageContains("kvevict::Budget::tokens: tokens must be >= 1, got 0"));
   REQUIRE_THROWS_MATCHES(Budget::tokens(-3), kvevict::invalid_argument,
-                         MessageContains("kvevict::Budget: tokens must be >= 1, got -3"));
+                         MessageContains("kvevict::Budget::tokens: tokens must be >= 1, got -3"));
   REQUIRE_THROWS_MATCHES(Budget::tokens(33).n_kept(32), kvevict::invalid_argument,
                          MessageContains("n_kept must be in [1, 32] (the context length), got 33"));
   // The ratio forms cannot exceed L; they can round down to 0.

@@ -224,11 +224,12 @@ TEST_CASE("budget errors at the select entry point (all three forms)", "[errors]
   all(Budget::compression_ratio(0.99),
       "n_kept must be in [1, 40] (the context length), got 0 from compression ratio 0.99");
   REQUIRE_THROWS_MATCHES(Budget::keep_ratio(0.0), kvevict::invalid_argument,
-                         MessageContains("keep ratio must be in (0, 1], got 0"));
+                         MessageContains("kvevict::Budget::keep_ratio: keep ratio must be in (0, 1], got 0"));
   REQUIRE_THROWS_MATCHES(Budget::keep_ratio(1.01), kvevict::invalid_argument,
                          MessageContains("keep ratio must be in (0, 1], got 1.01"));
-  REQUIRE_THROWS_MATCHES(Budget::compression_ratio(-0.5), kvevict::invalid_argument,
-                         MessageContains("compression ratio must be in [0, 1), got -0.5"));
+  REQUIRE_THROWS_MATCHES(
+      Budget::compression_ratio(-0.5), kvevict::invalid_argument,
+      MessageContains("kvevict::Budget::compression_ratio: compression ratio must be in [0, 1), got -0.5"));
   REQUIRE_THROWS_MATCHES(Budget::compression_ratio(1.0), kvevict::invalid_argument,
                          MessageContains("compression ratio must be in [0, 1), got 1"));
   REQUIRE_THROWS_MATCHES(Budget::compression_ratio(kNaN), kvevict::invalid_argument,

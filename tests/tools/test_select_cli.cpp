@@ -224,7 +224,7 @@ TEST_CASE("kvevict-select rejects bad input with one clear line and a non-zero e
   SECTION("budget out of range") {
     fs::copy_file(good, bad, fs::copy_options::overwrite_existing);
     expect_failure("--policy snapkv --budget 41" + io, "n_kept must be in [1, 40]");
-    expect_failure("--policy snapkv --budget 0" + io, "kvevict::Budget: tokens must be >= 1, got 0");
+    expect_failure("--policy snapkv --budget 0" + io, "kvevict::Budget::tokens: tokens must be >= 1, got 0");
     expect_failure("--policy snapkv --budget 41" + io, "kvevict::SnapKV::select (layer 0): n_kept must be in [1, 40]");
     expect_failure("--policy snapkv --keep 0.01" + io, "n_kept must be in [1, 40]");
     expect_failure("--policy snapkv --keep 1.5" + io, "--keep");

@@ -20,15 +20,17 @@ class Budget {
   enum class Kind { tokens, keep_ratio, compression_ratio };
 
   static Budget tokens(std::int64_t n) {
-    detail::require(n >= 1, "Budget", "tokens must be >= 1, got ", n);
+    detail::require(n >= 1, "Budget::tokens", "tokens must be >= 1, got ", n);
     return Budget(Kind::tokens, static_cast<double>(n), n);
   }
   static Budget keep_ratio(double r) {
-    detail::require(std::isfinite(r) && r > 0.0 && r <= 1.0, "Budget", "keep ratio must be in (0, 1], got ", r);
+    detail::require(std::isfinite(r) && r > 0.0 && r <= 1.0, "Budget::keep_ratio", "keep ratio must be in (0, 1], got ",
+                    r);
     return Budget(Kind::keep_ratio, r, 0);
   }
   static Budget compression_ratio(double c) {
-    detail::require(std::isfinite(c) && c >= 0.0 && c < 1.0, "Budget", "compression ratio must be in [0, 1), got ", c);
+    detail::require(std::isfinite(c) && c >= 0.0 && c < 1.0, "Budget::compression_ratio",
+                    "compression ratio must be in [0, 1), got ", c);
     return Budget(Kind::compression_ratio, c, 0);
   }
 
