@@ -234,18 +234,19 @@ TEST_CASE("catalogue::base_of: each named policy's base, whose composition with 
           "[catalogue][composition]") {
   namespace cat = kvevict::catalogue;
   CHECK(cat::base_of<kvevict::StreamingLLM>().empty());
-  CHECK(cat::base_of<kvevict::SnapKV>() == "snapkv");
-  CHECK(cat::base_of<kvevict::AdaKV>() == "adakv");
-  CHECK(cat::base_of<kvevict::CriticalKV>() == "adakv");
-  CHECK(cat::base_of<kvevict::CriticalSnapKV>() == "snapkv");
-  CHECK(cat::base_of<kvevict::DefensiveKV>() == "defensivekv");  // flat top-k (alpha 0), not AdaKV's 0.2
-  CHECK(cat::base_of<kvevict::LayerDefensiveKV>() == "layer");
-  CHECK(cat::base_of<kvevict::OpenDefensiveKV>() == "layer");
-  CHECK(cat::base_of<kvevict::AdaKVDefensive>() == "adakv");
-  CHECK(cat::base_of<kvevict::PyramidKV>() == "pyramidkv");  // its scheduled allocation, not a per-layer one
-  CHECK(cat::base_of<kvevict::TOVA>() == "snapkv");
-  CHECK(cat::base_of<kvevict::KeyDiff>() == "snapkv");
-  CHECK(cat::base_of<kvevict::H2O>() == "snapkv");
+  CHECK(std::string(cat::base_of<kvevict::SnapKV>()) == "snapkv");
+  CHECK(std::string(cat::base_of<kvevict::AdaKV>()) == "adakv");
+  CHECK(std::string(cat::base_of<kvevict::CriticalKV>()) == "adakv");
+  CHECK(std::string(cat::base_of<kvevict::CriticalSnapKV>()) == "snapkv");
+  CHECK(std::string(cat::base_of<kvevict::DefensiveKV>()) == "defensivekv");  // flat top-k (alpha 0), not AdaKV's 0.2
+  CHECK(std::string(cat::base_of<kvevict::LayerDefensiveKV>()) == "layer");
+  CHECK(std::string(cat::base_of<kvevict::OpenDefensiveKV>()) == "layer");
+  CHECK(std::string(cat::base_of<kvevict::AdaKVDefensive>()) == "adakv");
+  CHECK(std::string(cat::base_of<kvevict::PyramidKV>()) ==
+        "pyramidkv");  // its scheduled allocation, not a per-layer one
+  CHECK(std::string(cat::base_of<kvevict::TOVA>()) == "snapkv");
+  CHECK(std::string(cat::base_of<kvevict::KeyDiff>()) == "snapkv");
+  CHECK(std::string(cat::base_of<kvevict::H2O>()) == "snapkv");
 
   // Generically: compose(base_of<P>(), P's selector) with P's selector parameters selects what P selects.
   Rng rng(1204);
