@@ -13,6 +13,7 @@
 
 #include "support/matchers.hpp"
 #include "support/random_inputs.hpp"
+#include "support/same_selection.hpp"
 #include "support/selector_inputs.hpp"
 
 namespace test_catalogue {  // this file's scope in unity builds (tests/CMakeLists.txt)
@@ -34,14 +35,7 @@ kvevict::Knobs window_of(const Shape& s) {
   return k;
 }
 
-bool same(const Selection& a, const Selection& b) { return a.indices() == b.indices() && a.offsets() == b.offsets(); }
-
-bool same(const std::vector<Selection>& a, const std::vector<Selection>& b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i)
-    if (!same(a[i], b[i])) return false;
-  return true;
-}
+using kvevict_test::same;
 
 }  // namespace
 

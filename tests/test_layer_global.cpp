@@ -14,6 +14,7 @@
 
 #include "support/matchers.hpp"
 #include "support/random_inputs.hpp"
+#include "support/same_selection.hpp"
 #include "support/selector_inputs.hpp"
 
 namespace test_layer_global {  // this file's scope in unity builds (tests/CMakeLists.txt)
@@ -44,13 +45,7 @@ ScoreMap<double> map_of(const std::vector<double>& scores, Index heads, Index to
   return m;
 }
 
-bool same(const Selection& x, const Selection& y) { return x.indices() == y.indices() && x.offsets() == y.offsets(); }
-bool same(const std::vector<Selection>& x, const std::vector<Selection>& y) {
-  if (x.size() != y.size()) return false;
-  for (std::size_t i = 0; i < x.size(); ++i)
-    if (!same(x[i], y[i])) return false;
-  return true;
-}
+using kvevict_test::same;
 
 Budgets allocate(const std::vector<ScoreMap<double>>& maps, Index total) {
   std::vector<const ScoreMap<double>*> ptrs;

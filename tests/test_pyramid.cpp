@@ -17,6 +17,7 @@
 #include "support/matchers.hpp"
 #include "support/random_inputs.hpp"
 #include "support/reference_layout.hpp"
+#include "support/same_selection.hpp"
 #include "support/selector_inputs.hpp"
 
 namespace test_pyramid {  // this file's scope in unity builds (tests/CMakeLists.txt)
@@ -46,7 +47,7 @@ std::vector<std::int64_t> reference_shares(double beta, std::int64_t n, Index w,
   return kvevict_ref::layout::pyramid_shares(beta, n, w, N);
 }
 
-bool same(const Selection& a, const Selection& b) { return a.indices() == b.indices() && a.offsets() == b.offsets(); }
+using kvevict_test::same;
 
 kvevict::Knobs knobs(Index w) {
   kvevict::Knobs k;
