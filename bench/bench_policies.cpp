@@ -22,7 +22,9 @@
 // for snapkv, adakv and defensivekv-l2 (not e5m2), queries and W_o in float. Those rows also report x_floor_f32
 // (and x_floors_f32): the same ratio to the f32 floors. The "-l1" rows of CriticalSelector policies prune the value
 // term (the default): computed = fraction of the scored entries whose term was computed, x_unpruned = the unpruned
-// path's time / time and same_as_unpruned = 1 when it keeps the same tokens (both measured in this run).
+// path's time / time and same_as_unpruned = 1 when it keeps the same tokens (both measured in this run); the
+// "layer+critical-l1" rows do the same under one budget across layers (the composition Policy<LayerDefensiveKV,
+// CriticalSelector>).
 // "h2o-carried" is H2O selecting from received attention an engine carries (LayerInputs::accumulated).
 // Built with KVEVICT_OPENMP, the library (and Eigen's floor GEMMs) run on OpenMP threads, and x_threads = one
 // thread's time / time.
@@ -153,11 +155,12 @@ void run_policy(benchmark::State& state, const Model& m, const Policy& policy, b
     auto p = policy.params();
     if (p.value_norm == kvevict::ValueNorm::l1 && p.prune) {
       kvevict::extend::ValueTermCounter counter;
-      p.counter = &counter;
-      (void)select_one(Policy(p), layer.in, budget);
+      {
+        const kvevict::extend::ValueTermCounter::Scope counting(counter);
+        (void)select_one(policy, layer.in, budget);
+      }
       if (counter.scored > 0) {
         state.counters["computed"] = counter.fraction();
-        p.counter = nullptr;
         p.prune = false;
         const Policy unpruned(p);
         kvevict::Selection full;
@@ -343,6 +346,12 @@ void register_all() {
       if constexpr (std::is_base_of_v<kvevict::CriticalSelector::Params,
                                       typename std::decay_t<decltype(entry.make())>::Params>)
         register_policy<float>(name + "-l1-peaked", mm, entry.make(l1), 32768, false, /*peaked=*/true);
+    });
+    // The pruned L1 term under one budget across layers (CriticalKV's selector on Layer-DefensiveKV's allocation:
+    // the same run loop refines the bounds after the model-wide allocation).
+    kvevict::catalogue::compose("layer", "critical", [&](const auto& entry) {
+      register_policy<float>("layer+critical-l1", mm, entry.make(l1), 32768);
+      register_policy<float>("layer+critical-l1-peaked", mm, entry.make(l1), 32768, false, /*peaked=*/true);
     });
     // H2O from the scores an engine carries across steps (the catalogue row scores the window's attention).
     visit_entry("h2o", [&](const auto& entry) {

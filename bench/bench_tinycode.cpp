@@ -44,11 +44,10 @@ const std::vector<tinycode::Engine>& prefilled() {
 void BM_PrunedL1(benchmark::State& state) {
   const auto budget = kvevict::Budget::keep_ratio(static_cast<double>(state.range(0)) / 100.0);
   const auto& engines = prefilled();
-  kvevict::extend::ValueTermCounter counter;
+  kvevict::extend::ValueTermCounter counter;  // counts the pruned policy's work (the unpruned one has none)
+  const kvevict::extend::ValueTermCounter::Scope counting(counter);
   kvevict::CriticalKV::Params p;
-  p.counter = &counter;
   const kvevict::CriticalKV pruned(p);
-  p.counter = nullptr;
   p.prune = false;
   const kvevict::CriticalKV full(p);
   std::vector<kvevict::Selection> a, b;

@@ -193,8 +193,9 @@ TEST_CASE("every scored preset works as the base of Policy<Base, Selector>, with
           const Budget b = Budget::tokens(n);
           INFO("n_kept " << n);
           if constexpr (kvevict::detail::is_layer_global<Base>::value) {
-            // A layer-global base: the layer-global policy of the selector.
-            STATIC_REQUIRE(std::is_base_of_v<kvevict::LayerGlobalPolicy<Sel>, Composed>);
+            // A layer-global base: the layer-global policy of the selector (one budget across layers).
+            STATIC_REQUIRE(std::is_same_v<typename Composed::Allocation, kvevict::LayerGlobalAllocation>);
+            STATIC_REQUIRE(Composed::allocates_model());
             typename kvevict::LayerGlobalPolicy<Sel>::Params q;
             q.window = s.w;
             CHECK(same(composed.template select<double>(model, b),

@@ -333,6 +333,8 @@ TEST_CASE("CriticalKV parameters: defaults, validation, and quirks with any budg
       std::is_base_of_v<kvevict::Policy<kvevict::SnapKV, kvevict::CriticalSelector>, kvevict::CriticalSnapKV>);
   static_assert(std::is_base_of_v<kvevict::Policy<kvevict::AdaKV, kvevict::CriticalSelector>, kvevict::CriticalKV>);
   static_assert(std::is_base_of_v<kvevict::LayerGlobalPolicy<kvevict::DefensiveSelector>, kvevict::LayerDefensiveKV>);
+  static_assert(std::is_same_v<kvevict::LayerGlobalPolicy<kvevict::CriticalSelector>,
+                               kvevict::Policy<kvevict::LayerGlobalAllocation, kvevict::CriticalSelector>>);
   using kvevict_test::MessageContains;
   for (double eps : {-1e-9, -1.0, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
     kvevict::CriticalKV::Params p;

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "support/selector_inputs.hpp"
@@ -248,6 +249,7 @@ TEMPLATE_TEST_CASE("pruned L1 term: CriticalKV selects exactly as without prunin
   Rng rng(7);
   int failures = 0;
   kvevict::extend::ValueTermCounter counter;
+  const kvevict::extend::ValueTermCounter::Scope counting(counter);
   for (int c = 0; c < 300 && failures < 5; ++c) {
     Shape s = random_shape(rng, c % 3 == 0 ? 700 : 160);
     const int D = std::uniform_int_distribution<int>(16, 80)(rng);
@@ -258,7 +260,6 @@ TEMPLATE_TEST_CASE("pruned L1 term: CriticalKV selects exactly as without prunin
       kvevict::CriticalSelector::Params selector;
       selector.first_stage_ratio = std::vector<double>{0.5, 0.0, 0.3, 1.0}[sz(c % 4)];
       selector.eps = c % 5 == 0 ? 0.0 : 1e-4;
-      selector.counter = &counter;
       const bool quirks = c % 4 == 1;
       const auto budget =
           quirks ? Budget::compression_ratio(1.0 - static_cast<double>(n_kept) / s.L) : Budget::tokens(n_kept);
@@ -273,6 +274,72 @@ TEMPLATE_TEST_CASE("pruned L1 term: CriticalKV selects exactly as without prunin
     }
   }
   // The pruning is on: part of the scored entries never had their term computed.
+  INFO("computed " << counter.computed << " of " << counter.scored);
+  CHECK(counter.scored > 0);
+  CHECK(counter.fraction() < 0.9);
+}
+
+TEMPLATE_TEST_CASE(
+    "pruned L1 term under one budget across layers: select(layers) refines after the model-wide "
+    "allocation and selects exactly as without pruning and as a plan",
+    "[value_pruning][layer_global]", float, double) {
+  using S = TestType;
+  using Global = kvevict::LayerGlobalPolicy<kvevict::CriticalSelector>;
+  Rng rng(29);
+  int failures = 0;
+  kvevict::extend::ValueTermCounter counter;
+  const kvevict::extend::ValueTermCounter::Scope counting(counter);
+  for (int c = 0; c < 60 && failures < 5; ++c) {
+    const Shape first = random_shape(rng, c % 4 == 0 ? 600 : 160);
+    const int D = std::uniform_int_distribution<int>(16, 64)(rng);
+    const bool quirks = c % 5 == 1;  // the reference's model total: every layer alike
+    const int NL = 1 + c % 3;
+    std::vector<VLayer> model;
+    std::vector<decltype(kvevict_test::store_v<S>(std::declval<const VLayer&>(), Layout::heads_major))> stored;
+    stored.reserve(sz(NL));  // the inputs view the stored buffers
+    for (int l = 0; l < NL; ++l) {
+      Shape s = first;
+      if (!quirks) s.L = std::uniform_int_distribution<int>(s.w + 1, first.L + 40)(rng);
+      model.push_back(layer_of(s, D, static_cast<Values>((c + l) % 7), rng));
+    }
+    for (const VLayer& l : model) stored.push_back(kvevict_test::store_v<S>(l, Layout::heads_major));
+    std::vector<decltype(stored.front().in)> inputs;
+    for (const auto& st : stored) inputs.push_back(st.in);
+    for (const std::int64_t n_kept : kvevict_test::some_budgets(first, rng, 3)) {
+      typename Global::Params p;
+      p.window = first.w;
+      p.reference_quirks = quirks;
+      p.first_stage_ratio = std::vector<double>{0.5, 0.0, 0.3, 1.0}[sz(c % 4)];
+      auto q = p;
+      q.prune = false;
+      const Budget budget =
+          quirks ? Budget::compression_ratio(1.0 - static_cast<double>(n_kept) / first.L) : Budget::tokens(n_kept);
+      const std::string where = "case " + std::to_string(c) + " " + kvevict_test::describe(first) + " layers " +
+                                std::to_string(NL) + " n_kept " + std::to_string(n_kept) + (quirks ? " quirks" : "");
+      const auto outcome = [&](auto&& f) -> std::pair<std::string, std::vector<Selection>> {
+        try {
+          return {"", f()};
+        } catch (const kvevict::invalid_argument& e) {
+          return {e.what(), {}};
+        }
+      };
+      const auto pruned = outcome([&] { return Global(p).template select<S>(inputs, budget); });
+      const auto full = outcome([&] { return Global(q).template select<S>(inputs, budget); });
+      const auto planned = outcome([&] {
+        auto plan = Global(p).template plan<S>(budget, NL);
+        for (const auto& in : inputs) plan.add(in);
+        return plan.apply();
+      });
+      INFO(where << ": pruned '" << pruned.first << "', unpruned '" << full.first << "'");
+      bool same = pruned.first == full.first && planned.first == full.first &&
+                  pruned.second.size() == full.second.size() && planned.second.size() == full.second.size();
+      for (std::size_t l = 0; same && l < full.second.size(); ++l)
+        same = kvevict_test::kept_of(pruned.second[l]) == kvevict_test::kept_of(full.second[l]) &&
+               kvevict_test::kept_of(planned.second[l]) == kvevict_test::kept_of(full.second[l]);
+      CHECK(same);
+      failures += !same;
+    }
+  }
   INFO("computed " << counter.computed << " of " << counter.scored);
   CHECK(counter.scored > 0);
   CHECK(counter.fraction() < 0.9);

@@ -2,7 +2,7 @@
 /// kvevict's extension API: the building blocks of the pipeline, for writing a new Selector (how a layer is scored
 /// and each head's tokens picked) or a new Allocation (how many tokens each KV head keeps), as the built-in ones
 /// are written. Everything here is in namespace kvevict::extend; the contracts a Selector and an Allocation must
-/// meet are checked at compile time by Policy and LayerGlobalPolicy (policy/contracts.hpp). Guide:
+/// meet are checked at compile time by Policy (policy/contracts.hpp). Guide:
 /// docs/extending.md. Engines need only <kvevict/kvevict.hpp>.
 ///
 ///   stage                      header                          blocks

@@ -24,7 +24,6 @@
 #include "kvevict/measure/perturbation.hpp"
 
 #include "kvevict/policy/catalogue.hpp"
-#include "kvevict/policy/layer_global_policy.hpp"
 #include "kvevict/policy/policy.hpp"
 #include "kvevict/policy/presets.hpp"
 

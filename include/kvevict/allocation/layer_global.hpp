@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kvevict/allocation/layer_budget.hpp"
 #include "kvevict/ranking/score_map.hpp"
 
 namespace kvevict::extend {
@@ -50,3 +51,31 @@ std::vector<std::vector<Index>> allocate_layer_global(const std::vector<const Sc
 }
 
 }  // namespace kvevict::extend
+
+namespace kvevict {
+
+/// The layer-global allocation (Layer-DefensiveKV): one budget for the whole model, distributed by one top-k over
+/// every layer's map (extend::allocate_layer_global). Policy<LayerGlobalAllocation, Selector> (LayerGlobalPolicy)
+/// scores every layer first, then allocates across them (docs/algorithms.md section 2.7).
+struct LayerGlobalAllocation {
+  static constexpr const char* type_name = "LayerGlobalAllocation";
+  struct Params {
+    void validate(const char* /*where*/) const {}
+  };
+  LayerGlobalAllocation() = default;
+  explicit LayerGlobalAllocation(const Params&) {}
+
+  /// Per-(layer, KV head) budgets from one top-k of `total` entries over every layer's map.
+  template <class S>
+  std::vector<std::vector<Index>> allocate_model(const std::vector<const extend::ScoreMap<S>*>& layers,
+                                                 Index total) const {
+    return extend::allocate_layer_global(layers, total);
+  }
+  /// A model of one layer: its per-head budgets [kv_heads] from the top budget.total entries of the map.
+  template <class S>
+  std::vector<Index> allocate(extend::ScoreMap<S>& scores, const extend::LayerBudget& budget) const {
+    return extend::allocate_layer_global<S>({&scores}, budget.total).front();
+  }
+};
+
+}  // namespace kvevict

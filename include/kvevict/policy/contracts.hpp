@@ -1,6 +1,6 @@
 #pragma once
 /// The compile-time contracts of the extension points (docs/extending.md): what an Allocation and a Selector must
-/// provide, and what may serve as the Base of Policy<Base, Selector>. Policy and LayerGlobalPolicy check them with a
+/// provide, and what may serve as the Base of Policy<Base, Selector>. Policy checks them with a
 /// static_assert that names what is expected.
 
 #include <string>
@@ -15,9 +15,6 @@
 #include "kvevict/selectors/selector.hpp"
 
 namespace kvevict {
-
-template <class Selector>
-class LayerGlobalPolicy;
 
 namespace detail {
 
@@ -162,19 +159,33 @@ struct reads_queries : std::false_type {};
 template <class T>
 struct reads_queries<T, std::void_t<decltype(T::reads_queries())>> : std::bool_constant<T::reads_queries()> {};
 
-/// A model-level preset (LayerGlobalPolicy<S> or a class derived from one, such as LayerDefensiveKV).
+/// An Allocation whose budget spans the model's layers (LayerGlobalAllocation) declares
+///   template <class S> std::vector<std::vector<Index>> allocate_model(const std::vector<const ScoreMap<S>*>& layers,
+///                                                                    Index total) const;
+/// returning per-(layer, KV head) budgets summing to `total`; the policy then scores every layer before it allocates.
+template <class T, class = void>
+struct allocates_model : std::false_type {};
+template <class T>
+struct allocates_model<T, std::void_t<decltype(std::declval<const T&>().template allocate_model<float>(
+                              std::declval<const std::vector<const extend::ScoreMap<float>*>&>(), Index{}))>>
+    : std::true_type {};
+
+/// A scored policy (Policy<A, S> or a preset derived from one, such as SnapKV or LayerDefensiveKV).
+template <class T, class = void>
+struct is_scored_policy : std::false_type {};
+template <class T>
+struct is_scored_policy<T, std::void_t<typename T::Allocation, typename T::SelectorType, typename T::Params>>
+    : std::true_type {};
+
+/// A scored policy with one budget across layers (its allocation allocates_model: LayerDefensiveKV).
 template <class T, class = void>
 struct is_layer_global : std::false_type {};
 template <class T>
-struct is_layer_global<T, std::void_t<typename T::SelectorType>>
-    : std::is_base_of<LayerGlobalPolicy<typename T::SelectorType>, T> {};
+struct is_layer_global<T, std::enable_if_t<is_scored_policy<T>::value>> : allocates_model<typename T::Allocation> {};
 
-/// A per-layer scored policy (Policy<A, S> or a preset derived from one, such as SnapKV or DefensiveKV).
-template <class T, class = void>
-struct is_layer_policy : std::false_type {};
+/// A scored policy whose budget is per layer (SnapKV, DefensiveKV, PyramidKV's scheduled shares).
 template <class T>
-struct is_layer_policy<T, std::void_t<typename T::Allocation, typename T::SelectorType, typename T::Params>>
-    : std::bool_constant<!is_layer_global<T>::value> {};
+struct is_layer_policy : std::bool_constant<is_scored_policy<T>::value && !is_layer_global<T>::value> {};
 
 /// What Policy<Base, S> takes from Base: its allocation type and that allocation's default parameters (so that
 /// Policy<DefensiveKV, S> allocates as DefensiveKV does, with alpha = 0).
@@ -189,7 +200,7 @@ struct base_traits<Base, std::enable_if_t<is_allocation<Base>::value>> {
   static typename Base::Params allocation_defaults() { return {}; }
 };
 template <class Base>
-struct base_traits<Base, std::enable_if_t<!is_allocation<Base>::value && is_layer_policy<Base>::value>> {
+struct base_traits<Base, std::enable_if_t<!is_allocation<Base>::value && is_scored_policy<Base>::value>> {
   static constexpr bool valid = true;
   using allocation = typename Base::Allocation;
   static typename allocation::Params allocation_defaults() {

@@ -1,18 +1,20 @@
 #pragma once
-/// Policy<Base, Selector>: a base method's budget allocation composed with a selector's scoring.
+/// Policy<Base, Selector>: a base method's budget allocation composed with a selector's scoring, for one layer, a
+/// plan over a model's layers, or a whole model at once. One run loop (run() below) serves every entry point:
+///   score (each layer) -> group (the layout's units) -> allocate (per layer, or across layers) -> select -> expand
 
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include "kvevict/allocation/layer_budget.hpp"
+#include "kvevict/allocation/layer_global.hpp"
 #include "kvevict/allocation/uniform.hpp"
 #include "kvevict/core/budget.hpp"
 #include "kvevict/core/inputs.hpp"
 #include "kvevict/core/selection.hpp"
 #include "kvevict/layout/units.hpp"
 #include "kvevict/policy/contracts.hpp"
-#include "kvevict/policy/layer_global_policy.hpp"
 #include "kvevict/selectors/attention_selector.hpp"
 #include "kvevict/selectors/selector.hpp"
 
@@ -25,12 +27,22 @@ namespace kvevict {
 ///             CriticalSelector> allocates as DefensiveKV (flat top-k, alpha = 0) and scores as CriticalKV. A
 ///             layer-global preset as Base gives the layer-global policy of the selector (the specialisation below).
 ///   Selector: AttentionSelector (default), CriticalSelector, DefensiveSelector, or your own (docs/extending.md).
-template <class Base, class Selector = AttentionSelector, class = void>
+/// An eviction policy. Immutable after construction; select() is const and may be called from several threads at
+/// once.
+///   Base:     an allocation (UniformAllocation, HeadAdaptiveAllocation, PyramidAllocation, LayerGlobalAllocation)
+///             or any scored preset whose allocation to reuse, with that preset's allocation defaults:
+///             Policy<DefensiveKV, CriticalSelector> allocates as DefensiveKV (flat top-k, alpha = 0) and scores as
+///             CriticalKV; Policy<LayerDefensiveKV, CriticalSelector> allocates across layers.
+///   Selector: AttentionSelector (default), CriticalSelector, DefensiveSelector, or your own (docs/extending.md).
+/// The allocation decides the budget's scope: each layer alone, each layer its share of the model's budget
+/// (PyramidAllocation schedules it), or one budget across layers (LayerGlobalAllocation: every layer is scored
+/// before any is allocated, so a layer of a larger model cannot be selected alone).
+template <class Base, class Selector = AttentionSelector>
 class Policy {
   static_assert(detail::base_traits<Base>::valid,
                 "kvevict::Policy<Base, Selector>: Base must be an allocation (UniformAllocation, "
-                "HeadAdaptiveAllocation, PyramidAllocation, or a type meeting the Allocation contract of "
-                "docs/extending.md) or a scored "
+                "HeadAdaptiveAllocation, PyramidAllocation, LayerGlobalAllocation, or a type meeting the Allocation "
+                "contract of docs/extending.md) or a scored "
                 "preset (SnapKV, AdaKV, PyramidKV, CriticalKV, CriticalSnapKV, DefensiveKV, AdaKVDefensive, "
                 "LayerDefensiveKV, TOVA, KNorm, KeyDiff, ExpectedAttention, H2O); "
                 "StreamingLLM is positional and has no allocation to reuse");
@@ -73,31 +85,43 @@ class Policy {
   static constexpr bool reads_observation() { return detail::reads_observation<SelectorType>::value; }
   static constexpr bool reads_queries() { return detail::reads_queries<SelectorType>::value; }
   bool reads_values() const { return selector_.reads_values(); }
+  /// Whether one budget spans the model's layers (LayerGlobalAllocation): select every layer at once.
+  static constexpr bool allocates_model() { return detail::allocates_model<Allocation>::value; }
 
   /// Selects what one layer keeps. S is the arithmetic type (float, or double to compare with a float64
   /// reference); KV, Q and W the storage types of the inputs. Throws kvevict::invalid_argument on bad shapes or
   /// budgets, with a message that starts with "kvevict::<name>::select: ". `share = per_model` needs every layer:
-  /// use select(layers, budget) or plan().
+  /// use select(layers, budget) or plan(). Under one budget across layers the layer is a model of one layer.
   template <class S = float, class KV, class Q, class W>
   Selection select(const LayerInputs<KV, Q, W>& in, const Budget& budget) const {
+    if constexpr (allocates_model()) return select<S>(in, budget, 0, 1);
     return select_one<S>(in, budget, name_ + "::select");
   }
   /// The same for layer `layer` of a model: error messages start with "kvevict::<name>::select (layer <i>): ".
   template <class S = float, class KV, class Q, class W>
   Selection select(const LayerInputs<KV, Q, W>& in, const Budget& budget, Index layer) const {
+    if constexpr (allocates_model()) return select<S>(in, budget, layer, 1);
     return select_one<S>(in, budget, name_ + "::select (layer " + std::to_string(layer) + ")", {layer, 0});
   }
-  /// The same for layer `layer` of a model of `layers` layers: what a scheduled allocation (PyramidKV) needs.
+  /// The same for layer `layer` of a model of `layers` layers: what a scheduled allocation (PyramidKV) needs. One
+  /// budget across layers selects every layer at once: only layer 0 of 1 is accepted.
   template <class S = float, class KV, class Q, class W>
   Selection select(const LayerInputs<KV, Q, W>& in, const Budget& budget, Index layer, Index layers) const {
     const std::string where = name_ + "::select (layer " + std::to_string(layer) + ")";
-    detail::require(layers >= 1 && layer >= 0 && layer < layers, where.c_str(), "layer must be in [0, ", layers,
-                    ") (the model's layers), got ", layer);
+    if constexpr (allocates_model())
+      detail::require(layer == 0 && layers == 1, where.c_str(),
+                      "one budget across layers selects every layer at once: use select(layers, budget) or "
+                      "plan(budget, layers) (a single layer is a model of one layer: layer 0 of 1), got layer ",
+                      layer, " of ", layers);
+    else
+      detail::require(layers >= 1 && layer >= 0 && layer < layers, where.c_str(), "layer must be in [0, ", layers,
+                      ") (the model's layers), got ", layer);
     return select_one<S>(in, budget, where, {layer, layers});
   }
 
  private:
-  /// One layer after scoring: the selector's state, the layer's shape and token budget, and the error prefix.
+  /// One layer after scoring: the selector's state, the layer's shape and token budget, and the error prefix of
+  /// the call that selects it.
   template <class S>
   struct Scored {
     typename SelectorType::template Layer<S> layer;
@@ -110,8 +134,8 @@ class Policy {
 
  public:
   /// Scores layers one at a time (an engine can drop each layer's queries after add()), then apply() selects: the
-  /// way to select every layer under `share = per_model` (docs/algorithms.md section 8); with any other layout the
-  /// same as select() on each layer. Holds a copy of the policy.
+  /// way to select every layer under one budget across layers or `share = per_model` (docs/algorithms.md section
+  /// 8); otherwise the same as select() on each layer. Holds a copy of the policy, so it may outlive it.
   template <class S>
   class Plan {
    public:
@@ -127,27 +151,27 @@ class Policy {
       const std::string where = policy_.name_ + "::add (layer " + std::to_string(layer) + ")";
       detail::require(model_layers_ == 0 || layer < model_layers_, where.c_str(), "the plan was made for ",
                       model_layers_, " layers");
-      layers_.push_back(policy_.template score_layer<S>(in, budget_, where, {layer, model_layers_}));
+      policy_.add_scored(layers_, policy_.template score_layer<S>(in, budget_, where, {layer, model_layers_}));
       layers_.back().shape.positions = PositionsView();  // the engine's view may not outlive add(): the map has a copy
     }
     /// One Selection per added layer.
-    std::vector<Selection> apply() {
+    std::vector<Selection> apply() const {
       const std::string where = policy_.name_ + "::apply";
       detail::require(!layers_.empty(), where.c_str(), "no layer was added");
       detail::require(model_layers_ == 0 || static_cast<Index>(layers_.size()) == model_layers_, where.c_str(),
                       "the plan was made for ", model_layers_, " layers, ", layers_.size(), " were added");
-      for (auto& l : layers_) l.restore_positions();
-      if (policy_.params_.share == Sharing::per_model) return policy_.select_model(layers_);
-      std::vector<Selection> out;
-      for (auto& l : layers_) out.push_back(policy_.select_scored(l));
-      return out;
+      for (std::size_t l = 0; l < layers_.size(); ++l) {
+        layers_[l].restore_positions();
+        layers_[l].where = where + " (layer " + std::to_string(l) + ")";
+      }
+      return policy_.run(layers_, where, no_refinement);
     }
 
    private:
     Policy policy_;
     Budget budget_;
     Index model_layers_;
-    std::vector<Scored<S>> layers_;
+    mutable std::vector<Scored<S>> layers_;  // apply() allocates on the maps (a safeguard promotes entries)
   };
 
   /// A plan for one model: add() every layer in order, then apply(). S is the arithmetic type. `layers`, the
@@ -157,40 +181,51 @@ class Policy {
     return Plan<S>(*this, budget, layers);
   }
 
-  /// All layers at once (any `share`): one Selection per layer.
+  /// All layers at once (any `share`): one Selection per layer. The same as a plan, with the inputs alive until the
+  /// selection is made (so the pruned L1 term of CriticalSelector refines its bounds here too).
   template <class S = float, class KV, class Q, class W>
   std::vector<Selection> select(const std::vector<LayerInputs<KV, Q, W>>& layers, const Budget& budget) const {
-    Plan<S> p(*this, budget, static_cast<Index>(layers.size()));
-    for (const auto& in : layers) p.add(in);
-    return p.apply();
+    const auto count = static_cast<Index>(layers.size());
+    std::vector<Scored<S>> scored;
+    for (Index l = 0; l < count; ++l)
+      add_scored(scored, score_layer<S>(layers[static_cast<std::size_t>(l)], budget,
+                                        name_ + "::add (layer " + std::to_string(l) + ")", {l, count}, refines()));
+    const std::string where = name_ + "::apply";
+    detail::require(!scored.empty(), where.c_str(), "no layer was added");
+    for (std::size_t l = 0; l < scored.size(); ++l) scored[l].where = where + " (layer " + std::to_string(l) + ")";
+    if constexpr (detail::refines_bounds<SelectorType>::value)
+      return run(scored, where,
+                 [&](std::size_t l, auto&... args) { return selector_.refine(args..., layers[l], scored[l].shape); });
+    else
+      return run(scored, where, no_refinement);
   }
 
  private:
+  /// run()'s refinement step when the layers hold exact scores.
+  static constexpr std::nullptr_t no_refinement = nullptr;
+
+  /// Whether the selector ranks by upper bounds it refines (CriticalSelector's pruned L1 term) under this layout.
+  bool refines() const {
+    if constexpr (detail::refines_bounds<SelectorType>::value)
+      return params_.per_head_tokens();
+    else
+      return false;
+  }
+
   template <class S, class KV, class Q, class W>
   Selection select_one(const LayerInputs<KV, Q, W>& in, const Budget& budget, const std::string& where,
                        extend::LayerPlace place = {}) const {
-    detail::require(params_.share != Sharing::per_model, where.c_str(),
-                    "share = per_model selects every layer at once: use select(layers, budget) or plan()");
-    if constexpr (detail::refines_bounds<SelectorType>::value) {
-      if (params_.per_head_tokens()) return select_refined<S>(in, budget, where, place);
-    }
-    Scored<S> scored = score_layer<S>(in, budget, where, place);
-    return select_scored(scored);
-  }
-
-  /// select_scored's per-head path over a layer scored with upper bounds (the selector's score_bounded): allocate
-  /// and select on a copy, let the selector compute what that selection kept at a bound, again until it kept none.
-  template <class S, class KV, class Q, class W>
-  Selection select_refined(const LayerInputs<KV, Q, W>& in, const Budget& budget, const std::string& where,
-                           extend::LayerPlace place) const {
-    Scored<S> s = score_layer<S>(in, budget, where, place, true);
-    extend::KeepFlags keep;
-    for (;;) {
-      typename SelectorType::template Layer<S> trial = s.layer;  // the allocation may promote entries of its map
-      const std::vector<Index> budgets = allocation_.allocate(trial.allocation, s.budget);
-      detail::select_kept(selector_, trial, budgets, keep);
-      if (!selector_.refine(s.layer, trial, budgets, keep, in, s.shape)) return Selection::from_flags(keep, s.shape);
-    }
+    if constexpr (!allocates_model())
+      detail::require(params_.share != Sharing::per_model, where.c_str(),
+                      "share = per_model selects every layer at once: use select(layers, budget) or plan()");
+    std::vector<Scored<S>> scored;
+    add_scored(scored, score_layer<S>(in, budget, where, place, refines()));
+    if constexpr (detail::refines_bounds<SelectorType>::value)
+      return run(scored, where,
+                 [&](std::size_t, auto&... args) { return selector_.refine(args..., in, scored.front().shape); })
+          .front();
+    else
+      return run(scored, where, no_refinement).front();
   }
 
   template <class S, class KV, class Q, class W>
@@ -198,8 +233,8 @@ class Policy {
                         extend::LayerPlace place, bool bounded = false) const {
     const extend::LayerShape shape = detail::validate_inputs(in, params_.window, where.c_str(), reads_observation());
     detail::require_dense_for_quirks(shape, params_.reference_quirks, where.c_str());
-    extend::LayerBudget layer =
-        extend::layer_budget(shape, budget, where.c_str(), scheduled() && params_.share != Sharing::per_model, place);
+    extend::LayerBudget layer = extend::layer_budget(
+        shape, budget, where.c_str(), allocates_model() || (scheduled() && params_.share != Sharing::per_model), place);
     layer.block = params_.block;
     selector_.adjust_budget(layer, shape, params_, where.c_str());
     if constexpr (scheduled()) {  // the layer's share (per_model: one set of n_kept)
@@ -214,59 +249,171 @@ class Policy {
       return selector_.template score<S>(in, shape, common, layer, where.c_str());
     }();
     detail::require_layout(scored.allocation, shape, where.c_str());
+    if constexpr (allocates_model()) {  // the reference's model total reads the compression ratio
+      if (params_.reference_quirks) detail::quirk_compression_ratio(layer, where.c_str());
+    }
     return {std::move(scored), shape, layer, where};
   }
 
-  /// Allocation and selection of one layer (per_head or per_layer sharing).
+  /// Appends a scored layer; under the reference quirks one budget across layers needs every layer alike.
   template <class S>
-  Selection select_scored(Scored<S>& s) const {
-    extend::KeepFlags keep;
-    if (params_.per_head_tokens()) {
-      const std::vector<Index> budgets = allocation_.allocate(s.layer.allocation, s.budget);
-      detail::select_kept(selector_, s.layer, budgets, keep);
-      return Selection::from_flags(keep, s.shape);
+  void add_scored(std::vector<Scored<S>>& layers, Scored<S>&& s) const {
+    if constexpr (allocates_model()) {
+      if (params_.reference_quirks && !layers.empty()) {
+        const extend::LayerShape& first = layers.front().shape;
+        detail::require(first.tokens == s.shape.tokens && first.kv_heads == s.shape.kv_heads, s.where.c_str(),
+                        "reference_quirks needs every layer to have the same tokens and KV heads, ", "layer ",
+                        layers.size(), " has ", s.shape.tokens, " and ", s.shape.kv_heads);
+      }
     }
-    const extend::Grouping grouping =
-        extend::group_maps<S>({&s.layer.allocation}, params_.share, params_.block, s.where.c_str());
-    const Index stride = select_units(std::vector<const Scored<S>*>{&s}, grouping, s.budget, keep);
-    return Selection::from_flags(extend::expand(keep, stride, grouping, 0, s.shape), s.shape, params_.block);
+    layers.push_back(std::move(s));
   }
 
-  /// One kept set for every layer (per_model): one group, allocated with layer 0's token budget.
-  template <class S>
-  std::vector<Selection> select_model(std::vector<Scored<S>>& layers) const {
-    std::vector<const Scored<S>*> scope;
-    std::vector<const extend::ScoreMap<S>*> maps;
-    for (const auto& l : layers) {
-      scope.push_back(&l);
-      maps.push_back(&l.layer.allocation);
+  /// The run loop: every scored layer through allocation and selection, one Selection per layer. Per head (block
+  /// 1) the layers' own maps are allocated; otherwise the layout's unit maps (section 8). `refine(l, layer,
+  /// selected, budgets, keep)` refines layer l's bounds after a selection (nullptr: the scores are exact).
+  template <class S, class Refine>
+  std::vector<Selection> run(std::vector<Scored<S>>& layers, const std::string& where, Refine&& refine) const {
+    if (params_.per_head_tokens()) return run_tokens(layers, where, refine);
+    return run_units(layers, where);
+  }
+
+  /// Per head, per token: allocate each layer (or all layers at once), select, refine bounds, again until exact.
+  template <class S, class Refine>
+  std::vector<Selection> run_tokens(std::vector<Scored<S>>& layers, const std::string& where, Refine& refine) const {
+    using L = typename SelectorType::template Layer<S>;
+    const std::size_t n = layers.size();
+    Index total = 0;  // one budget across layers: the model's
+    if constexpr (allocates_model()) {
+      Index entries = 0;
+      for (const auto& l : layers) {
+        total += l.shape.kv_heads * static_cast<Index>(l.budget.n_kept);
+        entries += l.shape.entries();
+      }
+      detail::require(total <= entries, where.c_str(), "the model budget (", total,
+                      " entries: the sum over layers of kv_heads * n_kept) exceeds what the layers hold (", entries,
+                      ")");
+      if (params_.reference_quirks) {  // int(L (1 - cr) Hkv NL), every layer alike
+        const Scored<S>& f = layers.front();
+        const double cr = detail::quirk_compression_ratio(f.budget, where.c_str());
+        total = static_cast<Index>(static_cast<double>(f.shape.tokens) * (1.0 - cr) *
+                                   static_cast<double>(f.shape.kv_heads) * static_cast<double>(n));
+      }
     }
-    const std::string where = name_ + "::apply";
-    const extend::Grouping grouping = extend::group_maps(maps, params_.share, params_.block, where.c_str());
-    extend::LayerBudget budget = layers.front().budget;
-    budget.total = budget.n_kept;  // one group keeps n_kept tokens
-    extend::KeepFlags keep;
-    const Index stride = select_units(scope, grouping, budget, keep);
+    constexpr bool refining = !std::is_same_v<std::decay_t<Refine>, std::nullptr_t>;
+    std::vector<extend::KeepFlags> keep(n);
+    std::vector<std::vector<Index>> budgets(n);
+    for (;;) {
+      std::vector<L> trials;  // refining: the allocation may promote entries of its map, so it runs on copies
+      if constexpr (refining) {
+        for (const auto& l : layers) trials.push_back(l.layer);
+      }
+      auto selected = [&](std::size_t l) -> L& {
+        if constexpr (refining)
+          return trials[l];
+        else
+          return layers[l].layer;
+      };
+      if constexpr (allocates_model()) {
+        std::vector<const extend::ScoreMap<S>*> maps;
+        for (std::size_t l = 0; l < n; ++l) maps.push_back(&selected(l).allocation);
+        budgets = allocation_.allocate_model(maps, total);
+      } else {
+        for (std::size_t l = 0; l < n; ++l) budgets[l] = allocation_.allocate(selected(l).allocation, layers[l].budget);
+      }
+      for (std::size_t l = 0; l < n; ++l) detail::select_kept(selector_, selected(l), budgets[l], keep[l]);
+      bool again = false;
+      if constexpr (refining) {
+        for (std::size_t l = 0; l < n; ++l) again = refine(l, layers[l].layer, trials[l], budgets[l], keep[l]) || again;
+      }
+      if (!again) break;
+    }
     std::vector<Selection> out;
-    for (std::size_t l = 0; l < layers.size(); ++l)
-      out.push_back(Selection::from_flags(extend::expand(keep, stride, grouping, l, layers[l].shape), layers[l].shape,
-                                          params_.block));
+    for (std::size_t l = 0; l < n; ++l) out.push_back(Selection::from_flags(keep[l], layers[l].shape));
     return out;
   }
 
-  /// Section 8 steps 1-4 on one scope: unit maps, unit budget, the allocation, the selector's selection phase.
-  /// Leaves the unit flags in `keep` and returns the unit map's row stride (its widest group's blocks).
+  /// Section 8: groups of KV heads that keep one set, in blocks. A scope is one layer, or every layer under
+  /// share = per_model; its unit map is allocated alone, or with every other scope's under one budget across layers.
   template <class S>
-  Index select_units(const std::vector<const Scored<S>*>& scope, const extend::Grouping& grouping,
-                     const extend::LayerBudget& tokens, extend::KeepFlags& keep) const {
+  std::vector<Selection> run_units(std::vector<Scored<S>>& layers, const std::string& where) const {
     using L = typename SelectorType::template Layer<S>;
-    std::vector<const L*> layers;
-    for (const Scored<S>* s : scope) layers.push_back(&s->layer);
-    L units = detail::unit_layer<SelectorType>(layers, grouping, params_.reduce);
-    const extend::LayerBudget budget = extend::unit_budget(tokens, grouping, scope.front()->where.c_str());
-    const std::vector<Index> budgets = allocation_.allocate(units.allocation, budget);
-    detail::select_kept(selector_, units, budgets, keep);
-    return units.allocation.tokens;
+    const LayoutParams& layout = params_;
+    std::vector<std::vector<std::size_t>> scopes;  // the layers of each unit map
+    if (layout.share == Sharing::per_model) {
+      scopes.emplace_back();
+      for (std::size_t l = 0; l < layers.size(); ++l) scopes.back().push_back(l);
+    } else {
+      for (std::size_t l = 0; l < layers.size(); ++l) scopes.push_back({l});
+    }
+    std::vector<extend::Grouping> groupings;
+    std::vector<L> units;
+    std::vector<std::vector<Index>> budgets(scopes.size());
+    std::vector<Selection> out(layers.size());
+    extend::KeepFlags keep;
+    // The unit flags of scope u back to one Selection per layer of it.
+    const auto expand = [&](std::size_t u) {
+      for (std::size_t i = 0; i < scopes[u].size(); ++i) {
+        const Scored<S>& s = layers[scopes[u][i]];
+        out[scopes[u][i]] = Selection::from_flags(
+            extend::expand(keep, units[u].allocation.tokens, groupings[u], i, s.shape), s.shape, layout.block);
+      }
+    };
+    for (std::size_t u = 0; u < scopes.size(); ++u) {
+      const std::string& scope_where = layout.share == Sharing::per_model ? where : layers[scopes[u].front()].where;
+      std::vector<const extend::ScoreMap<S>*> maps;
+      std::vector<const L*> members;
+      for (std::size_t l : scopes[u]) {
+        maps.push_back(&layers[l].layer.allocation);
+        members.push_back(&layers[l].layer);
+      }
+      groupings.push_back(extend::group_maps(maps, layout.share, layout.block, scope_where.c_str()));
+      if constexpr (!allocates_model()) {
+        extend::LayerBudget tokens = layers[scopes[u].front()].budget;
+        if (layout.share == Sharing::per_model) tokens.total = tokens.n_kept;  // one group keeps n_kept tokens
+        const extend::LayerBudget unit_budget = extend::unit_budget(tokens, groupings[u], scope_where.c_str());
+        units.push_back(detail::unit_layer<SelectorType>(members, groupings[u], layout.reduce));
+        budgets[u] = allocation_.allocate(units[u].allocation, unit_budget);
+        detail::select_kept(selector_, units[u], budgets[u], keep);
+        expand(u);
+      }
+    }
+    if constexpr (allocates_model()) {
+      // Tokens the model keeps: n_kept per group (per_model: one group, layer 0's n_kept).
+      Index tokens = 0, tails = 0, entries = 0;
+      for (std::size_t u = 0; u < scopes.size(); ++u) {
+        const extend::LayerBudget& b = layers[scopes[u].front()].budget;
+        detail::require(layout.block <= b.n_kept, where.c_str(), "block (", layout.block, ") must be <= n_kept (",
+                        b.n_kept, "): a budget smaller than one block keeps no whole block");
+        tokens += static_cast<Index>(groupings[u].groups.size()) * static_cast<Index>(b.n_kept);
+        tails += groupings[u].tails();
+        entries += groupings[u].entries();
+      }
+      detail::require(tokens <= entries, where.c_str(), "the model budget (", tokens, " tokens: n_kept per ",
+                      layout.share == Sharing::per_head ? "KV head" : "group", ") exceeds what the ",
+                      to_string(layout.share), " groups hold (", entries, ")");
+      std::vector<const extend::ScoreMap<S>*> maps;
+      units.reserve(scopes.size());
+      for (std::size_t u = 0; u < scopes.size(); ++u) {
+        std::vector<const L*> members;
+        for (std::size_t l : scopes[u]) members.push_back(&layers[l].layer);
+        units.push_back(detail::unit_layer<SelectorType>(members, groupings[u], layout.reduce));
+      }
+      for (L& u : units) {
+        // The layer-global order ranks forced and window entries alike (by recency); so must each group's own
+        // selection, or a group whose share is smaller than its forced blocks would keep other blocks than the
+        // top-k chose (in token mode every non-scored entry always fits, section 2.6).
+        for (extend::Tier& t : u.allocation.tier)
+          if (t == extend::Tier::forced) t = extend::Tier::window;
+        maps.push_back(&u.allocation);
+      }
+      budgets = allocation_.allocate_model(maps, (tokens - tails) / layout.block);
+      for (std::size_t u = 0; u < scopes.size(); ++u) {
+        detail::select_kept(selector_, units[u], budgets[u], keep);
+        expand(u);
+      }
+    }
+    return out;
   }
 
   /// Whether the allocation gives each layer its share of the model's budget (PyramidAllocation).
@@ -279,7 +426,10 @@ class Policy {
       return {};
   }
   static std::string default_name() {
-    return "Policy<" + detail::name_of<Base>() + ", " + detail::name_of<Selector>() + ">";
+    if constexpr (std::is_same_v<Base, LayerGlobalAllocation>)
+      return "LayerGlobalPolicy<" + detail::name_of<Selector>() + ">";
+    else
+      return "Policy<" + detail::name_of<Base>() + ", " + detail::name_of<Selector>() + ">";
   }
 
   std::string name_;
@@ -288,17 +438,9 @@ class Policy {
   SelectorType selector_;
 };
 
-/// A layer-global preset as the base (Policy<LayerDefensiveKV, CriticalSelector>): one budget across layers,
-/// scored by the selector; the same as LayerGlobalPolicy<Selector> (plan()/add()/apply() or select(layers)).
-template <class Base, class Selector>
-class Policy<Base, Selector, std::enable_if_t<detail::is_layer_global<Base>::value>>
-    : public LayerGlobalPolicy<Selector> {
- public:
-  using typename LayerGlobalPolicy<Selector>::Params;
-  Policy() : Policy(Params{}) {}
-  explicit Policy(const Params& params,
-                  std::string name = "Policy<" + detail::name_of<Base>() + ", " + detail::name_of<Selector>() + ">")
-      : LayerGlobalPolicy<Selector>(params, std::move(name)) {}
-};
+/// One budget shared by every layer of the model, scored by the selector (Layer-DefensiveKV's allocation with any
+/// selector): plan()/add()/apply() or select(layers, budget).
+template <class Selector>
+using LayerGlobalPolicy = Policy<LayerGlobalAllocation, Selector>;
 
 }  // namespace kvevict

@@ -1,12 +1,11 @@
 #pragma once
-/// The named policies (docs/algorithms.md section 3), as thin presets over Policy and LayerGlobalPolicy. Each is a
+/// The named policies (docs/algorithms.md section 3), as thin presets over Policy. Each is a
 /// class so that its name appears in error messages and its defaults carry over when it serves as a base.
 
 #include "kvevict/allocation/head_adaptive.hpp"
 #include "kvevict/allocation/pyramid.hpp"
 #include "kvevict/allocation/streaming.hpp"
 #include "kvevict/allocation/uniform.hpp"
-#include "kvevict/policy/layer_global_policy.hpp"
 #include "kvevict/policy/policy.hpp"
 #include "kvevict/selectors/attention_selector.hpp"
 #include "kvevict/selectors/critical_selector.hpp"
@@ -74,7 +73,7 @@ class DefensiveKV : public Policy<HeadAdaptiveAllocation, DefensiveSelector> {
 class LayerDefensiveKV : public LayerGlobalPolicy<DefensiveSelector> {
  public:
   static constexpr const char* type_name = "LayerDefensiveKV";
-  explicit LayerDefensiveKV(const Params& p = Params{}) : LayerGlobalPolicy(p, type_name) {}
+  explicit LayerDefensiveKV(const Params& p = Params{}) : Policy(p, type_name) {}
 };
 
 /// The DefensiveKV paper's ablation: AdaKV with the defensive aggregation alone (no value term, no mass forcing).
@@ -161,13 +160,13 @@ class H2O : public Policy<UniformAllocation, H2OSelector> {
 class OpenDefensiveKV : public LayerGlobalPolicy<DefensiveSelector> {
  public:
   static constexpr const char* type_name = "OpenDefensiveKV";
-  struct Params : LayerGlobalPolicy::Params {
+  struct Params : Policy::Params {
     Params() {
       kernel = 1;
       open_window = true;
     }
   };
-  explicit OpenDefensiveKV(const Params& p = Params{}) : LayerGlobalPolicy(p, type_name) {}
+  explicit OpenDefensiveKV(const Params& p = Params{}) : Policy(p, type_name) {}
 };
 
 }  // namespace KVEVICT_ABI_NAMESPACE

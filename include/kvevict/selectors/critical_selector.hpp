@@ -34,7 +34,6 @@ struct CriticalSelector {
     double first_stage_ratio = 0.5;        ///< fraction of each head's budget chosen by attention alone
     ValueNorm value_norm = ValueNorm::l1;  ///< l1 (the papers' code) or l2 (Gram form, O(L d^2))
     bool prune = true;                     ///< l1: compute N only where it can change the selection (same result)
-    extend::ValueTermCounter* counter = nullptr;  ///< if set, counts the pruned term's work (benchmarks)
     void validate(const char* where) const {
       detail::require(std::isfinite(eps) && eps >= 0.0, where, "eps must be finite and >= 0, got ", eps);
       detail::require(std::isfinite(first_stage_ratio) && first_stage_ratio >= 0.0 && first_stage_ratio <= 1.0, where,
@@ -186,10 +185,10 @@ struct CriticalSelector {
       }
     }
     if (bounded) {
-      if (params_.counter) {
+      if (extend::ValueTermCounter* counter = extend::ValueTermCounter::active().load()) {
         std::int64_t scored = 0;
         for (std::uint8_t p : layer.pending) scored += p;
-        params_.counter->scored += scored;
+        counter->scored += scored;
       }
       resolve(layer, in, shape, unbounded);
     }
@@ -261,7 +260,8 @@ struct CriticalSelector {
       if (r.empty()) return;
       const std::vector<S> n =
           extend::l1_value_norms_of_rows<S>(in.values, in.w_o, shape.group, h, shape.length(h), r, in.values_scale);
-      if (params_.counter) params_.counter->computed += static_cast<std::int64_t>(r.size());
+      if (extend::ValueTermCounter* counter = extend::ValueTermCounter::active().load())
+        counter->computed += static_cast<std::int64_t>(r.size());
       for (std::size_t i = 0; i < r.size(); ++i) {
         const std::size_t f = layer.critical.flat(h, r[i]);
         layer.critical.score[f] = layer.weight[f] * n[i];

@@ -2,7 +2,7 @@
 /// The Selector extension point: how a policy scores a layer and picks each head's tokens once the base
 /// allocation has fixed the per-head budgets. CriticalKV and DefensiveKV plug in here; allocators never change.
 ///
-/// A Selector type provides (checked at compile time by Policy and LayerGlobalPolicy: policy/contracts.hpp)
+/// A Selector type provides (checked at compile time by Policy: policy/contracts.hpp)
 ///   static constexpr const char* type_name = "...";                   // optional, for messages
 ///   struct Params { ...; void validate(const char* where) const; };
 ///   explicit Selector(const Params&);

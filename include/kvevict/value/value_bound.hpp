@@ -20,14 +20,33 @@
 namespace kvevict::extend {
 inline namespace KVEVICT_ABI_NAMESPACE {
 
-/// What the pruned L1 term computed, for benchmarks and tuning (CriticalSelector::Params::counter): the entries
-/// whose exact term was computed, of the entries it scored. Shared by every select() that points to it (atomic).
+/// What the pruned L1 term computed, for benchmarks and tuning: the entries whose exact term was computed, of the
+/// entries it scored. While a ValueTermCounter::Scope lives, every pruned L1 term of the process counts into it
+/// (atomic), so that no public parameter carries it:
+///   extend::ValueTermCounter counter;
+///   { extend::ValueTermCounter::Scope counting(counter); policy.select(in, budget); }   // counter.fraction()
 struct ValueTermCounter {
   std::atomic<std::int64_t> computed{0};
   std::atomic<std::int64_t> scored{0};
   double fraction() const {
     const auto n = scored.load();
     return n > 0 ? static_cast<double>(computed.load()) / static_cast<double>(n) : 0.0;
+  }
+  /// Makes `counter` the active one until the scope ends (then the one before it again).
+  class Scope {
+   public:
+    explicit Scope(ValueTermCounter& counter) : previous_(active().exchange(&counter)) {}
+    ~Scope() { active().store(previous_); }
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+   private:
+    ValueTermCounter* previous_;
+  };
+  /// The counter of the innermost live Scope, or null.
+  static std::atomic<ValueTermCounter*>& active() {
+    static std::atomic<ValueTermCounter*> counter{nullptr};
+    return counter;
   }
 };
 
