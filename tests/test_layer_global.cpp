@@ -1,5 +1,5 @@
-// allocation/layer_global.hpp and policy/layer_global_policy.hpp: one top-k over every layer of the model
-// (docs/algorithms.md section 2.5 layer-global, 2.6 layer-global forcing): Layer-DefensiveKV and
+// allocation/layer_global.hpp (LayerGlobalAllocation; LayerGlobalPolicy is Policy over it): one top-k over every
+// layer of the model (docs/algorithms.md section 2.5 layer-global, 2.6 layer-global forcing): Layer-DefensiveKV and
 // LayerGlobalPolicy<CriticalSelector> against hand-worked selections and the float64 reference in both quirk modes;
 // Plan (score, then apply); properties.
 #include <catch2/catch.hpp>
