@@ -368,7 +368,9 @@ class Policy {
         members.push_back(&layers[l].layer);
       }
       groupings.push_back(extend::group_maps(maps, layout.share, layout.block, scope_where.c_str()));
-      if constexpr (!allocates_model()) {
+      if constexpr (allocates_model()) {
+        units.push_back(detail::unit_layer<SelectorType>(members, groupings[u], layout.reduce));
+      } else {
         extend::LayerBudget tokens = layers[scopes[u].front()].budget;
         if (layout.share == Sharing::per_model) tokens.total = tokens.n_kept;  // one group keeps n_kept tokens
         const extend::LayerBudget unit_budget = extend::unit_budget(tokens, groupings[u], scope_where.c_str());
@@ -393,12 +395,6 @@ class Policy {
                       layout.share == Sharing::per_head ? "KV head" : "group", ") exceeds what the ",
                       to_string(layout.share), " groups hold (", entries, ")");
       std::vector<const extend::ScoreMap<S>*> maps;
-      units.reserve(scopes.size());
-      for (std::size_t u = 0; u < scopes.size(); ++u) {
-        std::vector<const L*> members;
-        for (std::size_t l : scopes[u]) members.push_back(&layers[l].layer);
-        units.push_back(detail::unit_layer<SelectorType>(members, groupings[u], layout.reduce));
-      }
       for (L& u : units) {
         // The layer-global order ranks forced and window entries alike (by recency); so must each group's own
         // selection, or a group whose share is smaller than its forced blocks would keep other blocks than the
