@@ -373,16 +373,16 @@ std::vector<PySelection> run(const py::object& policy_name, const std::vector<py
 }  // namespace
 
 PYBIND11_MODULE(kvevict, m) {
+  std::string option_names;  // the parameter table's (kvevict_option_name), as keyword arguments
+  for (std::size_t i = 0; i < kvevict_option_count(); ++i)
+    option_names += std::string(i ? ", " : "") + kvevict_option_name(i);
   m.doc() =
       "kvevict: KV-cache eviction policies (SnapKV, AdaKV, CriticalKV, DefensiveKV, Layer-DefensiveKV, "
       "StreamingLLM, composed base+selector).\n\n"
       "select(policy, keys=K, values=V, q_window=Q, w_o=Wo, keep=0.1, **options) -> Selection\n"
       "select_layers(policy, [dict(keys=..., ...), ...], keep=0.1, **options) -> [Selection]\n"
-      "Options are kvevict-select's, in snake_case (window, pool, kernel, alpha, adakv_variant, beta, sinks, "
-      "rope_theta, rotary_dim, rope_layout, future_positions, no_covariance, recent_share, precision, "
-      "reference_quirks, share, reduce, block, eps, first_stage_ratio, value_norm, mass_threshold, no_floor, "
-      "open_window, base, "
-      "selector). See docs/bindings.md.";
+      "Keyword options (kvevict.options() gives each one's help; kvevict-select's options in snake_case): " +
+      option_names + ". See docs/bindings.md.";
   m.attr("__version__") = kvevict_version();
 
   py::class_<PySelection>(m, "Selection", "The kept entries of one layer.")
@@ -401,6 +401,16 @@ PYBIND11_MODULE(kvevict, m) {
         return "<kvevict.Selection heads=" + std::to_string(s.heads) + " total=" + std::to_string(s.indices.size()) +
                ">";
       });
+
+  m.def(
+      "options",
+      [] {
+        py::dict out;
+        for (std::size_t i = 0; i < kvevict_option_count(); ++i) out[kvevict_option_name(i)] = kvevict_option_help(i);
+        return out;
+      },
+      "The options by keyword name (the parameter table kvevict-select's --help and the C API share), each with its "
+      "help: what it does, the accepted range and the default.");
 
   m.def(
       "policies",

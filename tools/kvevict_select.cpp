@@ -33,15 +33,15 @@
 #include <vector>
 
 #include "kvevict/kvevict.hpp"
+#include "options.hpp"  // src/runtime/
 #include "safetensors.hpp"
-#include "select_options.hpp"
 #include "select_run.hpp"
 
 namespace {
 
 namespace st = safetensors;
 
-int run(const kvevict::tools::Options& opt) {
+int run(const kvevict::runtime::Options& opt) {
   const std::vector<kvevict::Selection> selections = kvevict::tools::select_layers(opt, st::file::open(opt.input));
   std::vector<st::tensor_out> out;
   for (std::size_t i = 0; i < selections.size(); ++i) {
@@ -64,10 +64,10 @@ int run(const kvevict::tools::Options& opt) {
 
 int main(int argc, char** argv) {
   try {
-    const std::optional<kvevict::tools::Options> opt = kvevict::tools::parse_options(argc, argv);
+    const std::optional<kvevict::runtime::Options> opt = kvevict::runtime::parse_command_line(argc, argv);
     if (!opt) return 0;  // --help
     return run(*opt);
-  } catch (const kvevict::tools::usage_error& e) {
+  } catch (const kvevict::runtime::usage_error& e) {
     std::cerr << "kvevict-select: " << e.what() << " (see --help)\n";
     return 2;
   } catch (const std::exception& e) {

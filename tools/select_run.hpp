@@ -14,12 +14,15 @@
 #include <vector>
 
 #include "kvevict/kvevict.hpp"
+#include "options.hpp"  // src/runtime/
+#include "run_policy.hpp"
 #include "safetensors.hpp"
-#include "select_options.hpp"
 
 namespace kvevict::tools {
 
 namespace st = ::safetensors;
+using runtime::Options;
+using runtime::run_policy;
 
 /// Bad input data (as opposed to usage_error: a bad command line).
 struct input_error : std::runtime_error {

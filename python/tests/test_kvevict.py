@@ -314,6 +314,48 @@ def test_catalogue_and_version(kvevict_select):
     assert SELECTORS == [s.strip() for s in bases.group(2).split(",")]
 
 
+def test_options_table_is_the_clis(kvevict_select):
+    """--help, the C API and Python derive their options from one table: each option's help line is --help's."""
+    help_text = subprocess.run([kvevict_select, "--help"], capture_output=True, text=True, timeout=30).stdout
+    options = kvevict.options()
+    assert list(options)[:6] == ["policy", "base", "selector", "budget", "keep", "compression_ratio"]
+    for name, text in options.items():
+        if name in ("policy", "base", "selector"):
+            continue  # in the usage line
+        line = re.search(r"^  --" + re.escape(name.replace("_", "-")) + r"\b[^\n]*$", help_text, re.M)
+        assert line, name
+        assert line.group(0).endswith(" " + text), (name, line.group(0), text)
+        assert name in kvevict.__doc__
+
+
+BAD_VALUES = ["x", "", "-7", "0", "4", "0.5", "1.5", "1e400", "nan", "l3"]
+
+
+def test_option_messages_agree_with_cli(kvevict_select, tmp_path):
+    """A bad value gets the same message from kvevict-select, the C API and Python (the name spelled by each)."""
+    compared = 0
+    for name in kvevict.options():
+        if name in ("policy", "base", "selector", "budget", "keep", "compression_ratio"):
+            continue
+        for value in BAD_VALUES:
+            try:
+                kvevict.select("snapkv", keys=K0, values=V0, q_window=Q0, w_o=W0, keep=0.5, **{name: value})
+                continue  # a valid value here
+            except ValueError as e:
+                api = str(e)
+            flag = "--" + name.replace("_", "-")
+            if name in ("no_covariance", "reference_quirks", "no_floor", "open_window"):
+                assert api == "%s expects a boolean (1, true, 0 or false), got '%s'" % (name, value)
+                continue  # a flag takes no value on the command line
+            cli = subprocess.run([kvevict_select, "--policy", "snapkv", "--keep", "0.5", flag, value,
+                                  str(tmp_path / "none.safetensors"), str(tmp_path / "out.safetensors")],
+                                 capture_output=True, text=True, timeout=30)
+            assert cli.returncode == 2, (flag, value, cli.stderr)
+            assert cli.stderr == "kvevict-select: %s (see --help)\n" % api.replace(name, flag, 1), (api, cli.stderr)
+            compared += 1
+    assert compared >= 40
+
+
 def test_version_and_policies():
     assert re.fullmatch(r"\d+\.\d+\.\d+", kvevict.__version__)
     assert len(POLICIES) == len(set(POLICIES)) >= 8

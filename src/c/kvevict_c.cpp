@@ -1,5 +1,6 @@
-// The C API (include/kvevict/c/kvevict.h): every entry point catches everything, records the message for
-// kvevict_last_error() and returns a status. Selection over raw tensors: select_impl.hpp.
+// The C API (include/kvevict/c/kvevict.h): the opaque handles over the bindings' runtime (src/runtime/: options
+// from the parameter table, the raw-tensor input contract, the compiled catalogue). Every entry point catches
+// everything, records the message for kvevict_last_error() and returns a status.
 
 #include <cmath>
 #include <cstdio>
@@ -10,11 +11,24 @@
 #include <string>
 #include <utility>
 
-#include "binding.hpp"
+#include <vector>
+
+#include "kvevict/c/kvevict.h"
+#include "kvevict/kvevict.hpp"
+#include "options.hpp"  // src/runtime/
+#include "tensors.hpp"
+
+struct kvevict_policy {
+  kvevict::runtime::Options options;
+};
+
+struct kvevict_selection {
+  std::vector<kvevict::Selection> layers;
+};
 
 namespace {
 
-namespace tools = kvevict::tools;
+namespace runtime = kvevict::runtime;
 
 thread_local std::string last_error;
 
@@ -34,7 +48,7 @@ kvevict_status guarded(F&& f) noexcept {
   } catch (const kvevict::invalid_argument& e) {
     fail(e.what());
     return KVEVICT_INVALID_ARGUMENT;
-  } catch (const tools::usage_error& e) {
+  } catch (const runtime::usage_error& e) {
     fail(e.what());
     return KVEVICT_INVALID_ARGUMENT;
   } catch (const std::bad_alloc&) {
@@ -116,6 +130,26 @@ const char* kvevict_policy_name(size_t i) {
   return name;
 }
 
+size_t kvevict_option_count(void) { return runtime::parameters().size(); }
+
+const char* kvevict_option_name(size_t i) {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> out;
+    for (const runtime::Parameter& p : runtime::parameters()) out.push_back(p.spelled(runtime::Spelling::api));
+    return out;
+  }();
+  return i < names.size() ? names[i].c_str() : nullptr;
+}
+
+const char* kvevict_option_help(size_t i) {
+  static const std::vector<std::string> help = [] {
+    std::vector<std::string> out;
+    for (const runtime::Parameter& p : runtime::parameters()) out.push_back(p.description());
+    return out;
+  }();
+  return i < help.size() ? help[i].c_str() : nullptr;
+}
+
 kvevict_status kvevict_policy_create(const char* name, const char* const* option_names,
                                      const char* const* option_values, size_t n_options, kvevict_policy** out) {
   if (out) *out = nullptr;
@@ -124,7 +158,7 @@ kvevict_status kvevict_policy_create(const char* name, const char* const* option
     require(n_options == 0 || (option_names && option_values),
             "kvevict_policy_create: option_names and option_values must not be NULL when n_options (" +
                 std::to_string(n_options) + ") > 0");
-    tools::OptionSet set(tools::OptionSet::Spelling::api);
+    runtime::OptionSet set(runtime::Spelling::api);
     if (name) set.set("policy", name);
     for (size_t i = 0; i < n_options; ++i) {
       require(option_names[i] && option_values[i],
@@ -190,37 +224,8 @@ kvevict_status kvevict_select_layers(const kvevict_policy* policy, kvevict_budge
     require(layers != nullptr && n_layers > 0, "kvevict_select_layers: expected at least one layer, got " +
                                                    std::to_string(n_layers) + (layers ? "" : " (layers is NULL)"));
     const kvevict::Budget b = to_budget(budget);
-    require(layers[0].keys.data != nullptr, "layers[0].keys is missing; expected [kv_heads, tokens, head_dim]");
     auto result = std::make_unique<kvevict_selection>();
-    namespace c = kvevict::c_api;
-    switch (layers[0].keys.dtype) {
-      case KVEVICT_F32:
-        result->layers = c::select_storage<float>(policy->options, b, layers, n_layers);
-        break;
-      case KVEVICT_F64:
-        result->layers = c::select_storage<double>(policy->options, b, layers, n_layers);
-        break;
-      case KVEVICT_F16:
-        result->layers = c::select_storage<Eigen::half>(policy->options, b, layers, n_layers);
-        break;
-      case KVEVICT_BF16:
-        result->layers = c::select_storage<Eigen::bfloat16>(policy->options, b, layers, n_layers);
-        break;
-      case KVEVICT_I8:
-        result->layers = c::select_storage<std::int8_t>(policy->options, b, layers, n_layers);
-        break;
-      case KVEVICT_F8_E4M3:
-        result->layers = c::select_storage<kvevict::float8_e4m3>(policy->options, b, layers, n_layers);
-        break;
-      case KVEVICT_F8_E5M2:
-        result->layers = c::select_storage<kvevict::float8_e5m2>(policy->options, b, layers, n_layers);
-        break;
-      default:
-        throw kvevict::invalid_argument("layers[0].keys: unknown dtype " +
-                                        std::to_string(static_cast<int>(layers[0].keys.dtype)) +
-                                        "; expected KVEVICT_F32, KVEVICT_F64, KVEVICT_F16, KVEVICT_BF16, KVEVICT_I8, "
-                                        "KVEVICT_F8_E4M3 or KVEVICT_F8_E5M2");
-    }
+    result->layers = runtime::select_tensors(policy->options, b, layers, n_layers);
     *out = result.release();
   });
 }

@@ -756,6 +756,31 @@ static void select_error(const char* what, const kvevict_policy* p, kvevict_budg
   check_message(what, word, line);
 }
 
+/* The option table (kvevict-select's, shared): names in snake_case with a help line each, NULL past the end, and a
+ * bad value for a listed name refused with a message that starts with that name. */
+static void test_option_table(void) {
+  const size_t count = kvevict_option_count();
+  size_t i;
+  printf("option table: %zu options\n", count);
+  CHECK(count >= 30);
+  CHECK(strcmp(kvevict_option_name(0), "policy") == 0);
+  CHECK(kvevict_option_name(count) == NULL && kvevict_option_help(count) == NULL);
+  for (i = 0; i < count; ++i) {
+    const char* name = kvevict_option_name(i);
+    const char* help = kvevict_option_help(i);
+    CHECK(name != NULL && help != NULL && strlen(help) > 8);
+    CHECK(strchr(name, '-') == NULL);
+    if (strcmp(name, "window") == 0 || strcmp(name, "kernel") == 0 || strcmp(name, "first_stage_ratio") == 0) {
+      const char* names[] = {name};
+      const char* values[] = {"x"};
+      kvevict_policy* policy = NULL;
+      CHECK(kvevict_policy_create("criticalkv", names, values, 1, &policy) == KVEVICT_INVALID_ARGUMENT);
+      CHECK(policy == NULL);
+      CHECK(strncmp(kvevict_last_error(), name, strlen(name)) == 0);
+    }
+  }
+}
+
 static void test_create_errors(void) {
   const char* two_keys[] = {"window", "pool"};
   const char* null_value[] = {"4", NULL};
@@ -1065,6 +1090,7 @@ int main(void) {
   test_ragged();
   test_options();
   test_accessors();
+  test_option_table();
   test_create_errors();
   test_select_errors();
   printf("%d passed, %d failed\n", n_passed, n_failed);

@@ -16,12 +16,13 @@
 #include <vector>
 
 #include "kvevict/kvevict.hpp"
+#include "options.hpp"  // src/runtime/
 #include "safetensors.hpp"
-#include "select_options.hpp"
 #include "select_run.hpp"
 
 namespace st = safetensors;
 namespace tools = kvevict::tools;
+namespace runtime = kvevict::runtime;
 
 namespace {
 
@@ -81,12 +82,12 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   argv.push_back(nullptr);
 
   try {
-    const auto opt = tools::parse_options(static_cast<int>(args.size()), argv.data());
+    const auto opt = runtime::parse_command_line(static_cast<int>(args.size()), argv.data());
     if (!opt) return 0;  // --help
     std::vector<unsigned char> bytes(data + pos, data + size);
     const st::file in = st::file::parse(std::move(bytes), "fuzz");
     check_selections(in, tools::select_layers(*opt, in));
-  } catch (const tools::usage_error&) {
+  } catch (const runtime::usage_error&) {
   } catch (const tools::input_error&) {
   } catch (const st::error&) {
   } catch (const kvevict::invalid_argument&) {

@@ -118,14 +118,20 @@ KVEVICT_C_API const char* kvevict_last_error(void);
 KVEVICT_C_API size_t kvevict_policy_count(void);
 KVEVICT_C_API const char* kvevict_policy_name(size_t i);
 
+/* The options (kvevict-select's parameter table): kvevict_option_count() of them, 0 <= i < count (NULL past the
+ * end). Name in snake_case ("first_stage_ratio"; '-' is accepted too), and one line of help with the accepted range
+ * and the default, as `kvevict-select --help` prints it. The names "policy", "base" and "selector" come first; the
+ * budgets "budget", "keep" and "compression_ratio" are listed but given to kvevict_select_layers instead. */
+KVEVICT_C_API size_t kvevict_option_count(void);
+KVEVICT_C_API const char* kvevict_option_name(size_t i);
+KVEVICT_C_API const char* kvevict_option_help(size_t i);
+
 /* Creates a policy. `name` is a catalogue name, or NULL with the option "base" or "selector" or both (a composed
- * policy; the one not given defaults to snapkv / attention). Options are name/value pairs with kvevict-select's names,
- * '-' or '_' alike
- * ("window", "pool", "kernel", "alpha", "adakv-variant", "beta", "sinks", "rope-theta", "rotary-dim", "rope-layout",
- * "future-positions", "no-covariance", "recent-share", "precision", "reference-quirks", "share", "reduce", "block",
- * "eps", "first-stage-ratio", "value-norm", "mass-threshold", "no-floor", "base", "selector"); the flags
- * reference-quirks, no-covariance and no-floor take "1"/"true" or "0"/"false". `option_values` may be NULL when
- * n_options is 0. Without "window" the window is the rows of each layer's q_window / window_attention. */
+ * policy; the one not given defaults to snapkv / attention). Options are name/value pairs of kvevict_option_name's
+ * names; a flag (no_covariance, reference_quirks, no_floor, open_window) takes "1"/"true" or "0"/"false". A bad
+ * name or value fails with the message kvevict-select gives for it, the name spelled in snake_case.
+ * `option_values` may be NULL when n_options is 0. Without "window" the window is the rows of each layer's q_window
+ * / window_attention. */
 KVEVICT_C_API kvevict_status kvevict_policy_create(const char* name, const char* const* option_names,
                                                    const char* const* option_values, size_t n_options,
                                                    kvevict_policy** out);

@@ -1,6 +1,7 @@
 #pragma once
-// select_storage<KV>: raw C tensors (any dtype, any strides) to kvevict::LayerInputs<KV, S, S> and the selections of
-// the policy. Keys and values are read in place whenever the library can view them (innermost stride 1, row stride
+// The input contract, written once (tensors.hpp): select_storage<KV>: raw C tensors (any dtype, any strides) to
+// kvevict::LayerInputs<KV, S, S> and the selections of the policy. Keys and values are read in place whenever the
+// library can view them (innermost stride 1, row stride
 // >= the row's length, head stride >= 0) and copied otherwise; queries, attention and W_o are read in place when
 // stored in the arithmetic type S, converted to S otherwise (they are small next to the cache, except W_o, which
 // only value-aware policies read).
@@ -13,9 +14,10 @@
 #include <string>
 #include <vector>
 
-#include "binding.hpp"
+#include "run_policy.hpp"
+#include "tensors.hpp"
 
-namespace kvevict::c_api {
+namespace kvevict::runtime {
 
 inline const char* dtype_name(std::int32_t dt) {
   switch (dt) {
@@ -237,7 +239,7 @@ void check_cache(const kvevict_layer& in, const std::string& at) {
 }
 
 template <class KV, class S>
-std::vector<Selection> select_typed(const tools::Options& options, const kvevict_layer* layers, std::size_t n_layers) {
+std::vector<Selection> select_typed(const Options& options, const kvevict_layer* layers, std::size_t n_layers) {
   std::optional<Index> window = options.knobs.window;
   std::vector<LayerHold<KV, S>> held(n_layers);  // never resized: the views point into these
   std::vector<LayerInputs<KV, S, S>> inputs;
@@ -312,7 +314,7 @@ std::vector<Selection> select_typed(const tools::Options& options, const kvevict
     }
     inputs.push_back(h.inputs);
   }
-  return tools::run_policy<S>(options, inputs, window);
+  return run_policy<S>(options, inputs, window);
 }
 
 /// Keys or values `t` [Hkv, L, d] stored as KV (checked by the caller) as F64 values, in `out`: what select<double>
@@ -343,18 +345,23 @@ kvevict_tensor widened_f64(const kvevict_tensor& t, const KVScale& scale, std::v
       }
     }
   }
-  const std::int64_t shape[3] = {Hkv, L, d};
-  return kvevict_tensor_contiguous(out.data(), KVEVICT_F64, 3, shape);
+  kvevict_tensor wide{};
+  wide.data = out.data();
+  wide.dtype = KVEVICT_F64;
+  wide.rank = 3;
+  wide.shape[0] = Hkv, wide.shape[1] = L, wide.shape[2] = d;
+  wide.strides[0] = L * d, wide.strides[1] = d, wide.strides[2] = 1;
+  return wide;
 }
 
 /// The selections of the layers, whose keys (and values) are stored as KV. At precision f32 the cache is read as
 /// stored (in place where the library can view it). At f64, a reference precision, a cache stored in any other type
 /// than double is widened into F64 copies first (widened_f64: what select<double> reads from it, so the selection is
-/// the same), so that select_f64.cpp's instances serve every dtype: one instance per dtype instead of two.
+/// the same), so that tensors_f64.cpp's instances serve every dtype: one instance per dtype instead of two.
 template <class KV>
-std::vector<Selection> select_storage(const tools::Options& options, const Budget& budget, const kvevict_layer* layers,
+std::vector<Selection> select_storage(const Options& options, const Budget& budget, const kvevict_layer* layers,
                                       std::size_t n_layers) {
-  tools::Options o = options;
+  Options o = options;
   o.budget = budget;
   if constexpr (std::is_same_v<KV, double>) {
     return options.precision == "f64" ? select_typed<double, double>(o, layers, n_layers)
@@ -376,8 +383,8 @@ std::vector<Selection> select_storage(const tools::Options& options, const Budge
         copies[l].values = widened_f64<KV>(in.values, values_scale, widened[2 * l + 1], at + "values");
       copies[l].keys_scale.data = copies[l].values_scale.data = nullptr;
     }
-    return select_storage<double>(options, budget, copies.data(), n_layers);  // select_f64.cpp's instance
+    return select_storage<double>(options, budget, copies.data(), n_layers);  // tensors_f64.cpp's instance
   }
 }
 
-}  // namespace kvevict::c_api
+}  // namespace kvevict::runtime

@@ -1,7 +1,0 @@
-// The C API's selections over bf16 keys and values (one translation unit per cache dtype: see select_impl.hpp).
-#include "select_impl.hpp"
-
-template std::vector<kvevict::Selection> kvevict::c_api::select_storage<Eigen::bfloat16>(const kvevict::tools::Options&,
-                                                                                         const kvevict::Budget&,
-                                                                                         const kvevict_layer*,
-                                                                                         std::size_t);

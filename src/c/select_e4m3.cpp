@@ -1,5 +1,0 @@
-// The C API's selections over e4m3 keys and values (one translation unit per cache dtype: see select_impl.hpp).
-#include "select_impl.hpp"
-
-template std::vector<kvevict::Selection> kvevict::c_api::select_storage<kvevict::float8_e4m3>(
-    const kvevict::tools::Options&, const kvevict::Budget&, const kvevict_layer*, std::size_t);

@@ -1,6 +1,0 @@
-// The C API's selections over f32 keys and values (one translation unit per cache dtype: see select_impl.hpp).
-#include "select_impl.hpp"
-
-template std::vector<kvevict::Selection> kvevict::c_api::select_storage<float>(const kvevict::tools::Options&,
-                                                                               const kvevict::Budget&,
-                                                                               const kvevict_layer*, std::size_t);

@@ -1,0 +1,43 @@
+#pragma once
+// The bindings' runtime, the input contract: a model's layers as raw tensors (kvevict_layer of
+// include/kvevict/c/kvevict.h: any dtype, shapes and strides, scales, lengths, positions) checked once and read
+// as kvevict::LayerInputs, then the selections of the options' policy. The C API and Python call it; one
+// translation unit per cache storage type (tensors_<dtype>.cpp) instantiates the catalogue over it.
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "kvevict/c/kvevict.h"
+#include "kvevict/kvevict.hpp"
+#include "options.hpp"
+
+namespace kvevict::runtime {
+
+/// The selections of `options`' policy over `layers`, whose keys and values are stored as KV (float, double,
+/// Eigen::half, Eigen::bfloat16, or the codes std::int8_t, float8_e4m3, float8_e5m2 with their scales). Throws
+/// kvevict::invalid_argument (bad tensors) or usage_error (options that do not fit the data).
+template <class KV>
+std::vector<Selection> select_storage(const Options& options, const Budget& budget, const kvevict_layer* layers,
+                                      std::size_t n_layers);
+
+/// select_storage for the dtype of layers[0].keys (checked: a known dtype, present).
+std::vector<Selection> select_tensors(const Options& options, const Budget& budget, const kvevict_layer* layers,
+                                      std::size_t n_layers);
+
+extern template std::vector<Selection> select_storage<float>(const Options&, const Budget&, const kvevict_layer*,
+                                                             std::size_t);
+extern template std::vector<Selection> select_storage<double>(const Options&, const Budget&, const kvevict_layer*,
+                                                              std::size_t);
+extern template std::vector<Selection> select_storage<Eigen::half>(const Options&, const Budget&, const kvevict_layer*,
+                                                                   std::size_t);
+extern template std::vector<Selection> select_storage<Eigen::bfloat16>(const Options&, const Budget&,
+                                                                       const kvevict_layer*, std::size_t);
+extern template std::vector<Selection> select_storage<std::int8_t>(const Options&, const Budget&, const kvevict_layer*,
+                                                                   std::size_t);
+extern template std::vector<Selection> select_storage<float8_e4m3>(const Options&, const Budget&, const kvevict_layer*,
+                                                                   std::size_t);
+extern template std::vector<Selection> select_storage<float8_e5m2>(const Options&, const Budget&, const kvevict_layer*,
+                                                                   std::size_t);
+
+}  // namespace kvevict::runtime

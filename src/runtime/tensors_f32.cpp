@@ -1,0 +1,6 @@
+// The selections over f32 keys and values (one translation unit per cache storage type: tensors_impl.hpp).
+#include "tensors_impl.hpp"
+
+namespace kvevict::runtime {
+template std::vector<Selection> select_storage<float>(const Options&, const Budget&, const kvevict_layer*, std::size_t);
+}  // namespace kvevict::runtime
