@@ -104,7 +104,7 @@ inline kvevict_ref::Pool pool_of(kvevict::Pooling p) {
 
 /// SnapKV's scores [Hkv][P] (mean aggregation of the materialised attention), shared by the mean-scored policies.
 template <class KV, class Q, class W>
-std::vector<double> mean_scores(const kvevict::CommonParams& p, const kvevict::LayerInputs<KV, Q, W>& in,
+std::vector<double> mean_scores(const kvevict::ScoringParams& p, const kvevict::LayerInputs<KV, Q, W>& in,
                                 const Shape& s) {
   return kvevict_ref::mean_scores(window_attention(in, s), s.H, s.Hkv, s.w, s.L, static_cast<int>(p.kernel),
                                   pool_of(p.pooling));
@@ -146,7 +146,7 @@ Kept select(const kvevict::CriticalKV& policy, const kvevict::LayerInputs<KV, Q,
 /// (value_term = false: s' = M; mass_forcing = false: nothing forced.)
 template <class KV, class Q, class W>
 std::pair<std::vector<double>, std::vector<std::vector<std::int64_t>>> defensive_scores(
-    const kvevict::DefensiveSelector::Params& p, const kvevict::CommonParams& c,
+    const kvevict::DefensiveSelector::Params& p, const kvevict::ScoringParams& c,
     const kvevict::LayerInputs<KV, Q, W>& in, std::int64_t n_kept) {
   const Shape s = shape_of(in);
   const auto attn = window_attention(in, s);

@@ -265,7 +265,7 @@ TEST_CASE("catalogue::base_of: each named policy's base, whose composition with 
               typename C::Params q;
               // The selector's and the layout's parameters are P's (TOVA's window 1, H2O's recent share, ...).
               static_cast<typename Sel::Params&>(q) = p;
-              static_cast<kvevict::CommonParams&>(q) = p;
+              static_cast<kvevict::ScoringParams&>(q) = p;
               CHECK(same(kvevict::select_layers<double>(C(q), model, Budget::tokens(40)),
                          kvevict::select_layers<double>(P(p), model, Budget::tokens(40))));
             }

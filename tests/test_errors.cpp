@@ -307,6 +307,37 @@ TEST_CASE("an infinite key whose logits are all -Inf is still reported (no silen
   }
 }
 
+TEST_CASE("a NaN key or value of a layer with positions is named by its row and its token position", "[errors]") {
+  // Two KV heads of 6 rows, head 1 holding 4 entries at positions 10, 20, 30, 40 (a compacted, ragged cache).
+  const Index d = 4, L = 6, w = 2;
+  std::vector<double> q(sz(2 * w * d), 0.5), k(sz(2 * L * d), 0.25), v(sz(2 * L * d), 1.0), wo(sz(3 * 2 * d), 0.1);
+  const std::vector<std::int64_t> lengths = {6, 4};
+  const std::vector<std::int64_t> positions = {0, 1, 2, 3, 4, 5, 10, 20, 30, 40, 41, 42};
+  LayerInputs<double> in;
+  in.queries = HeadsView<const double>::heads_major(q.data(), 2, w, d);
+  in.keys = kvevict::kv_heads_major<const double>(k.data(), 2, L, d);
+  in.values = kvevict::kv_heads_major<const double>(v.data(), 2, L, d);
+  in.w_o = kvevict::output_projection<const double>(wo.data(), 3, 2, d);
+  in.lengths = lengths.data();
+  in.positions = kvevict::positions_heads_major(positions.data(), 2, L);
+  SECTION("keys") {
+    k[sz((L + 1) * d + 2)] = std::numeric_limits<double>::quiet_NaN();  // head 1, row 1: position 20
+    REQUIRE_THROWS_MATCHES(with_window<kvevict::SnapKV>(w).select(in, Budget::tokens(3)), kvevict::invalid_argument,
+                           MessageContains("keys[1, 1, 2] (token position 20) is not finite"));
+  }
+  SECTION("values") {
+    v[sz((L + 2) * d)] = kInf;  // head 1, row 2: position 30
+    REQUIRE_THROWS_MATCHES(with_window<kvevict::CriticalKV>(w).select(in, Budget::tokens(3)), kvevict::invalid_argument,
+                           MessageContains("values[1, 2, 0] (token position 30) is not finite"));
+  }
+  SECTION("without positions the row alone") {
+    in.positions = {};
+    k[sz((L + 1) * d + 2)] = std::numeric_limits<double>::quiet_NaN();
+    REQUIRE_THROWS_MATCHES(with_window<kvevict::SnapKV>(w).select(in, Budget::tokens(3)), kvevict::invalid_argument,
+                           MessageContains("keys[1, 1, 2] is not finite"));
+  }
+}
+
 TEST_CASE("NaN and Inf in precomputed attention give a 'not finite' error wherever they are", "[errors]") {
   Rng rng(115);
   const Shape s{4, 2, 4, 30, 16};

@@ -50,10 +50,10 @@ struct KeyNormSelector {
   bool reads_values() const { return false; }
 
   void adjust_budget(ext::LayerBudget& /*budget*/, const ext::LayerShape& /*shape*/,
-                     const kvevict::CommonParams& /*common*/, const char* /*where*/) const {}
+                     const kvevict::ScoringParams& /*common*/, const char* /*where*/) const {}
 
   template <class S, class In>
-  Layer<S> score(const In& in, const ext::LayerShape& shape, const kvevict::CommonParams& common,
+  Layer<S> score(const In& in, const ext::LayerShape& shape, const kvevict::ScoringParams& common,
                  const ext::LayerBudget& /*budget*/, const char* where) const {
     kvevict::RowMatrix<S> prefix = kvevict::RowMatrix<S>::Zero(shape.kv_heads, shape.prefix);  // [Hkv, P]
     for (Index h = 0; h < shape.kv_heads; ++h)

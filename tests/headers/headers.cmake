@@ -65,3 +65,20 @@ if(NOT KVEVICT_OPENMP)
 endif()
 add_test(NAME headers.odr COMMAND kvevict_odr_test)
 set_tests_properties(headers.odr PROPERTIES LABELS "headers")
+
+# headers.api_names: the names <kvevict/kvevict.hpp> and <kvevict/extend.hpp> make reachable, pinned
+# (tests/headers/api_names.txt; clang's -ast-list lists them: a name leaking into kvevict:: fails the test, as does a
+# name engines use disappearing). Needs clang++ and Python 3; skipped (with a message) without them.
+find_program(KVEVICT_CLANGXX NAMES clang++ clang++-14 clang++-15 clang++-16)
+find_package(Python3 COMPONENTS Interpreter QUIET)
+get_target_property(_kvevict_eigen_dirs Eigen3::Eigen INTERFACE_INCLUDE_DIRECTORIES)
+if(KVEVICT_CLANGXX AND Python3_Interpreter_FOUND AND _kvevict_eigen_dirs)
+  list(GET _kvevict_eigen_dirs 0 _kvevict_eigen_dir)
+  add_test(NAME headers.api_names
+           COMMAND Python3::Interpreter ${CMAKE_CURRENT_LIST_DIR}/api_names.py --clang ${KVEVICT_CLANGXX}
+                   --include ${PROJECT_SOURCE_DIR}/include --eigen ${_kvevict_eigen_dir}
+                   --list ${CMAKE_CURRENT_LIST_DIR}/api_names.txt)
+  set_tests_properties(headers.api_names PROPERTIES TIMEOUT 120)
+else()
+  message(STATUS "kvevict: headers.api_names not registered (needs clang++ and Python 3)")
+endif()

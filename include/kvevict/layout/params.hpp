@@ -20,7 +20,7 @@ enum class Reduce {
   mean
 };
 
-/// The layout parameters (part of CommonParams and of StreamingLLM::Params). The defaults give sections 1-7.
+/// The layout parameters (part of ScoringParams and of StreamingLLM::Params). The defaults give sections 1-7.
 struct LayoutParams {
   Sharing share = Sharing::per_head;
   Reduce reduce = Reduce::max;

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -55,23 +56,26 @@ bool all_finite(const M& m) {
 
 /// Throws kvevict::invalid_argument naming the first NaN or Inf entry of `v` ([heads, rows, cols]), reading only
 /// rows [0, rows_of(h)) and columns [0, cols_of(h)) of head h (the live entries of a ragged layer).
-template <class T, class Rows, class Cols>
-void require_finite(const HeadsView<const T>& v, const char* where, const char* name, Rows rows_of, Cols cols_of) {
+/// `positioned` (h, r) is appended to the entry's name: empty, or its token position on a layer with positions.
+template <class T, class Rows, class Cols, class Positioned>
+void require_finite(const HeadsView<const T>& v, const char* where, const char* name, Rows rows_of, Cols cols_of,
+                    Positioned positioned) {
   for (Index h = 0; h < v.heads(); ++h) {
     const Index rows = rows_of(h), cols = cols_of(h);
     if (all_finite(v.head(h).topLeftCorner(rows, cols))) continue;
     for (Index r = 0; r < rows; ++r)
       for (Index c = 0; c < cols; ++c)
         if (!std::isfinite(v.row(h, r)[c]))
-          throw invalid_argument(concat("kvevict::", where, ": ", name, "[", h, ", ", r, ", ", c, "] is not finite (",
-                                        v.row(h, r)[c], "); the inputs contain NaN or Inf values"));
+          throw invalid_argument(concat("kvevict::", where, ": ", name, "[", h, ", ", r, ", ", c, "]", positioned(h, r),
+                                        " is not finite (", v.row(h, r)[c], "); the inputs contain NaN or Inf values"));
   }
 }
 /// The same over the whole view.
 template <class T>
 void require_finite(const HeadsView<const T>& v, const char* where, const char* name) {
   require_finite(
-      v, where, name, [&](Index) { return v.rows(); }, [&](Index) { return v.cols(); });
+      v, where, name, [&](Index) { return v.rows(); }, [&](Index) { return v.cols(); },
+      [](Index, Index) { return std::string(); });
 }
 /// Keys enter the window-attention product in blocks of kKeyBlock rows (the last block takes the remainder, up to
 /// 2 kKeyBlock - 1 rows). Keys stored in another type than S are converted one block at a time into a [block, d]
@@ -80,12 +84,16 @@ void require_finite(const HeadsView<const T>& v, const char* where, const char* 
 /// the same products bit for bit (a GEMM's rounding can depend on where a column falls in the product).
 constexpr Index kKeyBlock = 256;
 
-/// The same over the live entries of a KV view of the layer of `shape`: rows [0, L_h) of head h. A quantized
-/// view is checked as the values it holds (docs/algorithms.md section 9): a NaN code, or a scale that is not
-/// finite or overflows a value, is named with the entry.
+/// The same over the live entries of a KV view of the layer of `shape`: rows [0, L_h) of head h, each named by its
+/// row and, on a layer with positions (a ragged or compacted cache), by its token position too. A quantized view is
+/// checked as the values it holds (docs/algorithms.md section 9): a NaN code, or a scale that is not finite or
+/// overflows a value, is named with the entry.
 template <class T>
 void require_finite_entries(const KVView<const T>& v, const extend::LayerShape& shape, const char* where,
                             const char* name, const KVScale& scale = {}) {
+  const auto positioned = [&](Index h, Index r) {
+    return shape.positions.heads() > 0 ? concat(" (token position ", shape.position(h, r), ")") : std::string();
+  };
   if constexpr (is_quantized_v<T>) {
     RowMatrix<float> rows;
     for (Index h = 0; h < v.heads(); ++h) {
@@ -97,15 +105,15 @@ void require_finite_entries(const KVView<const T>& v, const extend::LayerShape& 
         for (Index r = 0; r < n; ++r)
           for (Index c = 0; c < v.cols(); ++c)
             if (!std::isfinite(rows(r, c)))
-              throw invalid_argument(concat("kvevict::", where, ": ", name, "[", h, ", ", j0 + r, ", ", c,
-                                            "] is not finite (", rows(r, c), " = stored ",
+              throw invalid_argument(concat("kvevict::", where, ": ", name, "[", h, ", ", j0 + r, ", ", c, "]",
+                                            positioned(h, j0 + r), " is not finite (", rows(r, c), " = stored ",
                                             static_cast<float>(v.row(h, j0 + r)[c]), " x scale ", factors(j0 + r),
                                             "); the inputs contain NaN or Inf values"));
       }
     }
   } else {
     require_finite(
-        v, where, name, [&](Index h) { return shape.length(h); }, [&](Index) { return v.cols(); });
+        v, where, name, [&](Index h) { return shape.length(h); }, [&](Index) { return v.cols(); }, positioned);
   }
 }
 
@@ -229,7 +237,7 @@ class WindowObservation {
     } else {  // query head q reads the columns of its KV head's entries
       detail::require_finite(
           attention_, where, "attention", [&](Index) { return attention_.rows(); },
-          [&](Index q) { return shape_.length(q / shape_.group); });
+          [&](Index q) { return shape_.length(q / shape_.group); }, [](Index, Index) { return std::string(); });
     }
   }
 

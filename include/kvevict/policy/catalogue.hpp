@@ -18,7 +18,7 @@
 
 #include "kvevict/allocation/head_adaptive.hpp"
 #include "kvevict/allocation/pyramid.hpp"
-#include "kvevict/allocation/streaming.hpp"
+#include "kvevict/allocation/streaming_llm.hpp"
 #include "kvevict/policy/contracts.hpp"
 #include "kvevict/policy/presets.hpp"
 #include "kvevict/selectors/critical_selector.hpp"
@@ -64,11 +64,11 @@ void for_each_knob(K& k, F&& f) {
     f("reduce", k.reduce, &LayoutParams::reduce);
     f("block", k.block, &LayoutParams::block);
   }
-  if constexpr (std::is_base_of_v<CommonParams, Params>) {
-    f("window", k.window, &CommonParams::window);
-    f("pooling", k.pooling, &CommonParams::pooling);
-    f("kernel", k.kernel, &CommonParams::kernel);
-    f("reference_quirks", k.reference_quirks, &CommonParams::reference_quirks);
+  if constexpr (std::is_base_of_v<ScoringParams, Params>) {
+    f("window", k.window, &ScoringParams::window);
+    f("pooling", k.pooling, &ScoringParams::pooling);
+    f("kernel", k.kernel, &ScoringParams::kernel);
+    f("reference_quirks", k.reference_quirks, &ScoringParams::reference_quirks);
   }
   if constexpr (std::is_base_of_v<HeadAdaptiveAllocation::Params, Params>) {
     f("alpha", k.alpha, &HeadAdaptiveAllocation::Params::alpha);

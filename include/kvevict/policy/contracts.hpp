@@ -103,16 +103,16 @@ struct is_selector<
                    typename T::template Layer<float>, decltype(bool{std::declval<const T&>().reads_values()}),
                    decltype(std::declval<const T&>().adjust_budget(std::declval<extend::LayerBudget&>(),
                                                                    std::declval<const extend::LayerShape&>(),
-                                                                   std::declval<const CommonParams&>(), "")),
+                                                                   std::declval<const ScoringParams&>(), "")),
                    decltype(std::declval<const T&>().template score<float>(
                        std::declval<const LayerInputs<float>&>(), std::declval<const extend::LayerShape&>(),
-                       std::declval<const CommonParams&>(), std::declval<const extend::LayerBudget&>(), "")),
+                       std::declval<const ScoringParams&>(), std::declval<const extend::LayerBudget&>(), "")),
                    decltype(std::declval<const typename T::template Layer<float>&>().allocation)>>
     : std::bool_constant<
           std::is_constructible_v<T, const typename T::Params&> && select_is_valid<T>() &&
           std::is_same_v<decltype(std::declval<const T&>().template score<float>(
                              std::declval<const LayerInputs<float>&>(), std::declval<const extend::LayerShape&>(),
-                             std::declval<const CommonParams&>(), std::declval<const extend::LayerBudget&>(), "")),
+                             std::declval<const ScoringParams&>(), std::declval<const extend::LayerBudget&>(), "")),
                          typename T::template Layer<float>>> {};
 
 /// The selection phase of `selector` on `layer`: its select(), or extend::select_top_per_head of the allocation.
@@ -135,7 +135,7 @@ template <class T>
 struct refines_bounds<
     T, std::void_t<decltype(std::declval<const T&>().template score_bounded<float>(
                        std::declval<const LayerInputs<float>&>(), std::declval<const extend::LayerShape&>(),
-                       std::declval<const CommonParams&>(), std::declval<const extend::LayerBudget&>(), "")),
+                       std::declval<const ScoringParams&>(), std::declval<const extend::LayerBudget&>(), "")),
                    decltype(static_cast<bool>(std::declval<const T&>().refine(
                        std::declval<typename T::template Layer<float>&>(),
                        std::declval<const typename T::template Layer<float>&>(),

@@ -61,10 +61,10 @@ class Policy {
 
   /// All the numbers of the policy in one flat struct, with the papers' defaults and the base's allocation
   /// defaults (e.g. `AdaKV::Params p; p.window = 16; p.alpha = 0.1;`).
-  struct Params : CommonParams, Allocation::Params, SelectorType::Params {
+  struct Params : ScoringParams, Allocation::Params, SelectorType::Params {
     Params() : Allocation::Params(allocation_defaults()) {}
     void validate(const char* where) const {
-      CommonParams::validate(where);
+      ScoringParams::validate(where);
       Allocation::Params::validate(where);
       SelectorType::Params::validate(where);
     }
@@ -240,7 +240,7 @@ class Policy {
     if constexpr (scheduled()) {  // the layer's share (per_model: one set of n_kept)
       if (params_.share != Sharing::per_model) allocation_.schedule(layer, shape, where.c_str());
     }
-    const auto& common = static_cast<const CommonParams&>(params_);
+    const auto& common = static_cast<const ScoringParams&>(params_);
     (void)bounded;  // only selectors with score_bounded read it
     auto scored = [&] {
       if constexpr (detail::refines_bounds<SelectorType>::value) {

@@ -4,7 +4,7 @@
 
 #include "kvevict/allocation/head_adaptive.hpp"
 #include "kvevict/allocation/pyramid.hpp"
-#include "kvevict/allocation/streaming.hpp"
+#include "kvevict/allocation/streaming_llm.hpp"
 #include "kvevict/allocation/uniform.hpp"
 #include "kvevict/policy/policy.hpp"
 #include "kvevict/selectors/attention_selector.hpp"

@@ -28,10 +28,10 @@ struct AttentionSelector {
   bool reads_values() const { return false; }
 
   void adjust_budget(extend::LayerBudget& /*budget*/, const extend::LayerShape& /*shape*/,
-                     const CommonParams& /*common*/, const char* /*where*/) const {}
+                     const ScoringParams& /*common*/, const char* /*where*/) const {}
 
   template <class S, class In>
-  Layer<S> score(const In& in, const extend::LayerShape& shape, const CommonParams& common,
+  Layer<S> score(const In& in, const extend::LayerShape& shape, const ScoringParams& common,
                  const extend::LayerBudget& /*budget*/, const char* where) const {
     const auto obs = extend::observe<S>(in, shape, where);
     Layer<S> layer{extend::scores_with_window(extend::mean_scores(obs, common.kernel, common.pooling), shape,

@@ -62,10 +62,10 @@ struct CriticalSelector {
   bool reads_values() const { return true; }
 
   void adjust_budget(extend::LayerBudget& /*budget*/, const extend::LayerShape& /*shape*/,
-                     const CommonParams& /*common*/, const char* /*where*/) const {}
+                     const ScoringParams& /*common*/, const char* /*where*/) const {}
 
   template <class S, class In>
-  Layer<S> score(const In& in, const extend::LayerShape& shape, const CommonParams& common,
+  Layer<S> score(const In& in, const extend::LayerShape& shape, const ScoringParams& common,
                  const extend::LayerBudget& /*budget*/, const char* where) const {
     return score_layer<S>(in, shape, common, where, false);
   }
@@ -73,7 +73,7 @@ struct CriticalSelector {
   /// score(), except that with the pruned L1 term the entries of `critical` hold upper bounds of their scores
   /// (marked `pending`) until refine() computes them; used by policies that select right after scoring.
   template <class S, class In>
-  Layer<S> score_bounded(const In& in, const extend::LayerShape& shape, const CommonParams& common,
+  Layer<S> score_bounded(const In& in, const extend::LayerShape& shape, const ScoringParams& common,
                          const extend::LayerBudget& /*budget*/, const char* where) const {
     return score_layer<S>(in, shape, common, where, prunes(in));
   }
@@ -145,7 +145,7 @@ struct CriticalSelector {
   /// Both maps; with `bounded`, `critical` holds (s + eps) * Ubar for the scored entries (value_bound.hpp) and
   /// those whose bound is not finite are computed at once (so a non-finite score is reported as without pruning).
   template <class S, class In>
-  Layer<S> score_layer(const In& in, const extend::LayerShape& shape, const CommonParams& common, const char* where,
+  Layer<S> score_layer(const In& in, const extend::LayerShape& shape, const ScoringParams& common, const char* where,
                        bool bounded) const {
     extend::validate_value_inputs(in, shape, params_.value_norm, where);
     const auto obs = extend::observe<S>(in, shape, where);

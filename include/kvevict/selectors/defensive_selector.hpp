@@ -51,7 +51,7 @@ struct DefensiveSelector {
   bool reads_values() const { return params_.value_term; }
 
   /// Under reference_quirks the flat totals are int(L * (1 - cr) * Hkv) (docs/algorithms.md section 1).
-  void adjust_budget(extend::LayerBudget& budget, const extend::LayerShape& shape, const CommonParams& common,
+  void adjust_budget(extend::LayerBudget& budget, const extend::LayerShape& shape, const ScoringParams& common,
                      const char* where) const {
     if (!common.reference_quirks) return;
     const double cr = detail::quirk_compression_ratio(budget, where);
@@ -60,7 +60,7 @@ struct DefensiveSelector {
   }
 
   template <class S, class In>
-  Layer<S> score(const In& in, const extend::LayerShape& shape, const CommonParams& common,
+  Layer<S> score(const In& in, const extend::LayerShape& shape, const ScoringParams& common,
                  const extend::LayerBudget& budget, const char* where) const {
     if (params_.value_term) extend::validate_value_inputs(in, shape, params_.value_norm, where);
     const auto obs = extend::observe<S>(in, shape, where);

@@ -56,10 +56,10 @@ struct ExpectedAttentionSelector {
   bool reads_values() const { return params_.value_term; }
   static constexpr bool reads_queries() { return true; }  // their mean and covariance: attention rows will not do
   void adjust_budget(extend::LayerBudget& /*budget*/, const extend::LayerShape& /*shape*/,
-                     const CommonParams& /*common*/, const char* /*where*/) const {}
+                     const ScoringParams& /*common*/, const char* /*where*/) const {}
 
   template <class S, class In>
-  Layer<S> score(const In& in, const extend::LayerShape& shape, const CommonParams& common,
+  Layer<S> score(const In& in, const extend::LayerShape& shape, const ScoringParams& common,
                  const extend::LayerBudget& budget, const char* where) const {
     validate_layer(in, shape, where);
     const Index d = shape.head_dim, G = shape.group;

@@ -39,7 +39,7 @@ struct H2OSelector {
   const Params& params() const { return params_; }
   bool reads_values() const { return false; }
   void adjust_budget(extend::LayerBudget& /*budget*/, const extend::LayerShape& /*shape*/,
-                     const CommonParams& /*common*/, const char* /*where*/) const {}
+                     const ScoringParams& /*common*/, const char* /*where*/) const {}
 
   /// The most recent entries each head keeps whatever their scores under a budget of n_kept per head.
   Index recent(std::int64_t n_kept, Index window) const {
@@ -47,7 +47,7 @@ struct H2OSelector {
   }
 
   template <class S, class In>
-  Layer<S> score(const In& in, const extend::LayerShape& shape, const CommonParams& common,
+  Layer<S> score(const In& in, const extend::LayerShape& shape, const ScoringParams& common,
                  const extend::LayerBudget& budget, const char* where) const {
     const RowMatrix<S> received = has_accumulated(in)
                                       ? read_accumulated<S>(in.accumulated, shape, where)

@@ -29,10 +29,10 @@ struct KeyDiffSelector {
   static constexpr bool reads_observation() { return false; }
   bool reads_values() const { return false; }
   void adjust_budget(extend::LayerBudget& /*budget*/, const extend::LayerShape& /*shape*/,
-                     const CommonParams& /*common*/, const char* /*where*/) const {}
+                     const ScoringParams& /*common*/, const char* /*where*/) const {}
 
   template <class S, class In>
-  Layer<S> score(const In& in, const extend::LayerShape& shape, const CommonParams& common,
+  Layer<S> score(const In& in, const extend::LayerShape& shape, const ScoringParams& common,
                  const extend::LayerBudget& /*budget*/, const char* where) const {
     detail::require_finite_entries(in.keys, shape, where, "keys", in.keys_scale);
     RowMatrix<S> anchor = RowMatrix<S>::Zero(shape.kv_heads, shape.head_dim);  // [Hkv, d]

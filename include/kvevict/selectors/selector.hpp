@@ -10,10 +10,11 @@
 ///   static constexpr bool reads_observation();  // optional, default true: false for key-only scores
 ///   static constexpr bool reads_queries();      // optional, default false: true when attention rows will not do
 ///   template <class S> struct Layer { ScoreMap<S> allocation; ... };  // state between the two phases
-///   void adjust_budget(LayerBudget&, const LayerShape&, const CommonParams&, const char* where) const;
+///   void adjust_budget(LayerBudget&, const LayerShape&, const ScoringParams&, const char* where) const;
 ///       may change the layer total (reference quirks of the flat top-k totals)
 ///   template <class S, class In>
-///   Layer<S> score(const In& in, const LayerShape&, const CommonParams&, const LayerBudget&, const char* where) const;
+///   Layer<S> score(const In& in, const LayerShape&, const ScoringParams&, const LayerBudget&, const char* where)
+///   const;
 ///       scoring phase over LayerInputs<KV, Q, W> `in`: observation, aggregation, value term, forcing; fills
 ///       `allocation`, the ranking the base allocation uses (the allocator may promote entries of it, e.g. AdaKV's
 ///       safeguard). Errors go through detail::require(ok, where, ...) so that they name the policy.
@@ -36,29 +37,8 @@
 #include "kvevict/core/error.hpp"
 #include "kvevict/core/views.hpp"
 #include "kvevict/layout/params.hpp"
+#include "kvevict/policy/scoring_params.hpp"
 #include "kvevict/ranking/topk.hpp"
-
-namespace kvevict {
-
-/// Parameters every scored policy has (docs/algorithms.md section 2.1-2.2 defaults of the kvpress family).
-struct CommonParams : LayoutParams {
-  Index window = 32;               ///< w, the observation window (the last w prompt positions)
-  Pooling pooling = Pooling::avg;  ///< smoothing along tokens (SnapKV's LongBench setting: max, kernel 7)
-  Index kernel = 5;                ///< pooling kernel, odd
-  bool reference_quirks = false;   ///< reproduce the reference code's quirks (docs/algorithms.md section 2.6)
-
-  void validate(const char* where) const {
-    LayoutParams::validate(where);
-    detail::require(!reference_quirks || per_head_tokens(), where,
-                    "reference_quirks reproduces the reference code, which has neither sharing nor blocks: it needs "
-                    "share = per_head and block = 1, got share = ",
-                    to_string(share), ", block = ", block);
-    detail::require(window >= 1, where, "window must be >= 1, got ", window);
-    detail::require(kernel >= 1 && kernel % 2 == 1, where, "kernel must be an odd number >= 1, got ", kernel);
-  }
-};
-
-}  // namespace kvevict
 
 namespace kvevict::extend {
 

@@ -19,7 +19,7 @@ namespace detail {
 /// The observation window of a scored policy; 0 for a positional one (StreamingLLM).
 template <class P>
 Index window_of(const P& policy) {
-  if constexpr (std::is_base_of_v<CommonParams, typename P::Params>)
+  if constexpr (std::is_base_of_v<ScoringParams, typename P::Params>)
     return policy.params().window;
   else
     return 0;

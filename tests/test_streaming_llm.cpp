@@ -1,4 +1,4 @@
-// allocation/streaming.hpp: the StreamingLLM baseline (sinks + recent tokens), against the reference.
+// allocation/streaming_llm.hpp: the StreamingLLM baseline (sinks + recent tokens), against the reference.
 #include <catch2/catch.hpp>
 
 #include <kvevict/kvevict.hpp>
@@ -10,7 +10,7 @@
 #include "support/matchers.hpp"
 #include "support/random_inputs.hpp"
 
-namespace test_streaming {  // this file's scope in unity builds (tests/CMakeLists.txt)
+namespace test_streaming_llm {  // this file's scope in unity builds (tests/CMakeLists.txt)
 
 using kvevict::Budget;
 using kvevict::Index;
@@ -111,4 +111,4 @@ TEST_CASE("StreamingLLM errors", "[streaming][errors]") {
                          MessageContains("kvevict::StreamingLLM::select: keys must be a non-empty"));
 }
 
-}  // namespace test_streaming
+}  // namespace test_streaming_llm

@@ -1,0 +1,29 @@
+#pragma once
+/// ScoringParams: the parameters every scored policy has (the observation window, the pooling along tokens, the
+/// reference code's quirks) over the layout's (sharing, reduction, blocks). Every selector's Params derives from it.
+
+#include "kvevict/aggregation/pooling.hpp"
+#include "kvevict/core/error.hpp"
+#include "kvevict/layout/params.hpp"
+
+namespace kvevict {
+
+/// Parameters every scored policy has (docs/algorithms.md section 2.1-2.2 defaults of the kvpress family).
+struct ScoringParams : LayoutParams {
+  Index window = 32;               ///< w, the observation window (the last w prompt positions)
+  Pooling pooling = Pooling::avg;  ///< smoothing along tokens (SnapKV's LongBench setting: max, kernel 7)
+  Index kernel = 5;                ///< pooling kernel, odd
+  bool reference_quirks = false;   ///< reproduce the reference code's quirks (docs/algorithms.md section 2.6)
+
+  void validate(const char* where) const {
+    LayoutParams::validate(where);
+    detail::require(!reference_quirks || per_head_tokens(), where,
+                    "reference_quirks reproduces the reference code, which has neither sharing nor blocks: it needs "
+                    "share = per_head and block = 1, got share = ",
+                    to_string(share), ", block = ", block);
+    detail::require(window >= 1, where, "window must be >= 1, got ", window);
+    detail::require(kernel >= 1 && kernel % 2 == 1, where, "kernel must be an odd number >= 1, got ", kernel);
+  }
+};
+
+}  // namespace kvevict
