@@ -1,4 +1,4 @@
-// Selection time in the engine layouts of docs/algorithms.md section 8 (LayoutParams: `share`, `block`; `reduce`
+// Selection time in the engine layouts of docs/algorithms.md#layouts (LayoutParams: `share`, `block`; `reduce`
 // stays max): every catalogue policy selects one whole model of kLayers Llama-3.1-8B layers (distinct random
 // tensors, f32, keep 10 %) through kvevict::select_layers, as an engine does (per_model needs every layer at once;
 // every row selects the same kLayers layers so that the ratios compare), in five layouts:

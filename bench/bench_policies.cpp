@@ -237,7 +237,7 @@ void BM_ValueTerm(benchmark::State& state, const Model& m, kvevict::ValueNorm no
   state.SetLabel(std::string(m.name) + (norm == kvevict::ValueNorm::l1 ? " L1" : " L2 (Gram)"));
 }
 
-/// Stage 2.6 alone (docs/algorithms.md section 2.6: MassStatistics::forced_tokens for every KV head, corrected cap
+/// The forcing stage alone (docs/algorithms.md#forcing: MassStatistics::forced_tokens for every KV head, corrected cap
 /// at keep 20 %) against what it replaced, a full sort of each head's P tokens. Attention rows: "diffuse" (uniform
 /// random, the 90 % mass set is most of P: the worst case) or "peaked" (power-law over a random permutation, like
 /// real heads).

@@ -1,4 +1,4 @@
-// Eviction while the cache grows (docs/algorithms.md section 7): one Llama-3.1-8B layer streams a 32k prompt in steps
+// Eviction while the cache grows (docs/algorithms.md#streaming): one Llama-3.1-8B layer streams a 32k prompt in steps
 // of C tokens under a 10 % budget (n = 3276 tokens per KV head), evicting with kvevict::evict_over_budget after every
 // step that leaves it over the budget. Every catalogue policy (value-aware ones in the L2 Gram form with the Gram
 // precomputed, as an engine does at load). Counters, all measured in the same process:

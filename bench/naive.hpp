@@ -1,6 +1,6 @@
 #pragma once
 /// The naive implementation of the policies, the baseline of the "x_naive" counter (the target is >= 5x at 32k): the
-/// spec's pipeline (docs/algorithms.md section 2) transcribed stage by stage, each stage materialised, with the same
+/// spec's pipeline (docs/algorithms.md#stages) transcribed stage by stage, each stage materialised, with the same
 /// GEMM for the two matrix products.
 ///   - the float64 reference of tests/support/reference.hpp for every stage (element loops, full std::sort for
 ///     every top-k, [H, w, L] attention in double);

@@ -19,6 +19,8 @@ function(kvevict_runtime_library name)
   endif()
 endfunction()
 
-kvevict_runtime_library(kvevict_runtime options.cpp run_policy.cpp)
-kvevict_runtime_library(kvevict_runtime_tensors tensors.cpp tensors_f32.cpp tensors_f64.cpp tensors_f16.cpp
-                        tensors_bf16.cpp tensors_i8.cpp tensors_e4m3.cpp tensors_e5m2.cpp)
+set(KVEVICT_RUNTIME_SOURCES options.cpp run_policy.cpp)
+set(KVEVICT_RUNTIME_TENSORS_SOURCES tensors.cpp tensors_f32.cpp tensors_f64.cpp tensors_f16.cpp tensors_bf16.cpp
+                                    tensors_i8.cpp tensors_e4m3.cpp tensors_e5m2.cpp)
+kvevict_runtime_library(kvevict_runtime ${KVEVICT_RUNTIME_SOURCES})
+kvevict_runtime_library(kvevict_runtime_tensors ${KVEVICT_RUNTIME_TENSORS_SOURCES})

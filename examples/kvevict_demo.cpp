@@ -49,7 +49,7 @@ double ms_since(clock_type::time_point t0) {
 /// slot, and value-aware ones read W_o through engine.eviction_inputs().
 using Compressor = std::function<std::vector<kvevict::Selection>(const Engine&, const kvevict::Budget&)>;
 /// Ends a step of a stream (--mode chunked|capped): evicts every layer over n rows per KV head (Engine's
-/// evict_over_budget, docs/algorithms.md section 7), adding the policy's time to *select_ms.
+/// evict_over_budget, docs/algorithms.md#streaming), adding the policy's time to *select_ms.
 using StreamEvictor = std::function<void(Engine&, Index n, double* select_ms)>;
 
 struct PolicyEntry {
@@ -60,7 +60,7 @@ struct PolicyEntry {
   StreamEvictor stream = {};                                // the same policy while the cache grows
 };
 
-/// The layout every policy runs with (--share, --block, --reduce; docs/algorithms.md section 8).
+/// The layout every policy runs with (--share, --block, --reduce; docs/algorithms.md#layouts).
 kvevict::Knobs& layout_knobs() {
   static kvevict::Knobs layout;
   return layout;

@@ -1,5 +1,5 @@
-// allocation/uniform.hpp, allocation/head_adaptive.hpp: stage 2.5 on identical score tensors (no near-tie noise),
-// checked index for index against the reference's snapkv / adakv / adakv_original.
+// allocation/uniform.hpp, allocation/head_adaptive.hpp: stage "allocation" (docs/algorithms.md#allocation) on identical
+// score tensors (no near-tie noise), checked index for index against the reference's snapkv / adakv / adakv_original.
 #include <catch2/catch.hpp>
 
 #include <kvevict/extend.hpp>

@@ -1,6 +1,7 @@
-// selectors/critical_selector.hpp and the CriticalKV presets (docs/algorithms.md section 2.4, 2.6 fraction forcing,
-// section 3): CriticalKV (head-adaptive base) and CriticalSnapKV (uniform base) against hand-worked selections and
-// kvevict_ref::criticalkv, in both quirk modes and every budget form, plus the properties every policy keeps.
+// selectors/critical_selector.hpp and the CriticalKV presets (docs/algorithms.md#value-term, docs/algorithms.md#forcing
+// fraction forcing, docs/algorithms.md#presets): CriticalKV (head-adaptive base) and CriticalSnapKV (uniform base)
+// against hand-worked selections and kvevict_ref::criticalkv, in both quirk modes and every budget form, plus the
+// properties every policy keeps.
 #include <catch2/catch.hpp>
 
 #include <kvevict/kvevict.hpp>

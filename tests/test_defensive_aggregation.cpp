@@ -1,5 +1,5 @@
-// aggregation/defensive.hpp: DefensiveKV's worst-case aggregation with the adaptive prior floor (docs/algorithms.md
-// section 2.3) against hand-worked numbers and the float64 reference, and its structural properties.
+// aggregation/defensive.hpp (docs/algorithms.md#aggregation): DefensiveKV's worst-case aggregation with the
+// adaptive prior floor against hand-worked numbers and the float64 reference, and its structural properties.
 #include <catch2/catch.hpp>
 
 #include <kvevict/extend.hpp>

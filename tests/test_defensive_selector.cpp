@@ -1,5 +1,6 @@
-// selectors/defensive_selector.hpp and the DefensiveKV presets (docs/algorithms.md section 2.3 defensive, 2.4
-// normalised value term, 2.6 cumulative-mass forcing, section 3): DefensiveKV (flat top-k), AdaKVDefensive (the paper's
+// selectors/defensive_selector.hpp and the DefensiveKV presets (docs/algorithms.md#aggregation defensive,
+// docs/algorithms.md#value-term normalised value term, docs/algorithms.md#forcing cumulative-mass forcing,
+// docs/algorithms.md#presets): DefensiveKV (flat top-k), AdaKVDefensive (the paper's
 // ablation) and the DefensiveSelector on every per-layer base with its toggles, against hand-worked selections and the
 // float64 reference in both quirk modes; properties; the errors of the value-aware selectors.
 #include <catch2/catch.hpp>
@@ -489,7 +490,7 @@ TEST_CASE(
     }
   }
   // L = 1000, cr = .8, Hkv = 2: n_kept 199; corrected total 398, quirks int(1000 x .2 x 2) = int(399.99999999999994) =
-  // 399 (docs/algorithms.md section 1).
+  // 399 (docs/algorithms.md#budgets).
   Rng r2(804);
   const Shape big{2, 2, 32, 1000, 16};
   const kvevict_test::VLayer l = kvevict_test::random_vlayer(big, 8, r2);

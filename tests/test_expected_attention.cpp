@@ -1,5 +1,5 @@
-// Expected Attention (docs/algorithms.md section 2.9): worked numbers, random ragged and dense layers against the
-// float64 reference of tests/support/reference_expected.hpp (explicit RoPE matrices), compositions, and errors.
+// Expected Attention (docs/algorithms.md#expected-attention): worked numbers, random ragged and dense layers against
+// the float64 reference of tests/support/reference_expected.hpp (explicit RoPE matrices), compositions, and errors.
 #include <catch2/catch.hpp>
 
 #include <kvevict/kvevict.hpp>

@@ -1,4 +1,4 @@
-// H2O (docs/algorithms.md section 2.10): the attention entries received, one-shot and carried across steps by the
+// H2O (docs/algorithms.md#h2o): the attention entries received, one-shot and carried across steps by the
 // CacheBook, against the float64 reference of tests/support/reference_h2o.hpp; worked numbers; errors.
 #include <catch2/catch.hpp>
 

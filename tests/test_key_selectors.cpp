@@ -1,6 +1,6 @@
-// Key-only selectors (K-norm, KeyDiff: docs/algorithms.md section 2.8) and the TOVA preset (section 3): worked
-// numbers, brute forces written here from the papers' definitions, the optional observation, composition with other
-// bases, and errors. The float64 layout reference (tests/test_layout_reference.cpp) checks them on ragged layers,
+// Key-only selectors (K-norm, KeyDiff: docs/algorithms.md#key-only) and the TOVA preset (docs/algorithms.md#presets):
+// worked numbers, brute forces written here from the papers' definitions, the optional observation, composition with
+// other bases, and errors. The float64 layout reference (tests/test_layout_reference.cpp) checks them on ragged layers,
 // every sharing, block and reduction; tests/test_quantized_storage.cpp and test_half_storage.cpp on every storage.
 
 #include <algorithm>
@@ -63,7 +63,7 @@ kvevict::LayerInputs<T> keys_only(const std::vector<T>& k, Index Hkv, Index L, I
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("key-only selectors: the worked example of docs/algorithms.md 2.8", "[selectors][keys]", float,
+TEMPLATE_TEST_CASE("key-only selectors: the worked example of docs/algorithms.md#key-only", "[selectors][keys]", float,
                    double) {
   using T = TestType;
   // One KV head, d = 2, keys (3, 4), (1, 0), (0, 2), (0, 0); window 1 (the presets' default).

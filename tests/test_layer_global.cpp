@@ -1,7 +1,7 @@
 // allocation/layer_global.hpp (LayerGlobalAllocation; LayerGlobalPolicy is Policy over it): one top-k over every
-// layer of the model (docs/algorithms.md section 2.5 layer-global, 2.6 layer-global forcing): Layer-DefensiveKV and
-// LayerGlobalPolicy<CriticalSelector> against hand-worked selections and the float64 reference in both quirk modes;
-// Plan (score, then apply); properties.
+// layer of the model (docs/algorithms.md#allocation layer-global, docs/algorithms.md#forcing layer-global forcing):
+// Layer-DefensiveKV and LayerGlobalPolicy<CriticalSelector> against hand-worked selections and the float64 reference in
+// both quirk modes; Plan (score, then apply); properties.
 #include <catch2/catch.hpp>
 
 #include <kvevict/extend.hpp>
@@ -448,7 +448,7 @@ TEST_CASE("LayerGlobalPolicy errors: no layer, bad layer shapes, bad params", "[
   kvevict::LayerDefensiveKV::Params p;
   p.window = 4;
   const kvevict::LayerDefensiveKV ok(p);
-  // A token budget is a model total (a layer may hold less than its share, docs/algorithms.md section 7): refused
+  // A token budget is a model total (a layer may hold less than its share, docs/algorithms.md#streaming): refused
   // when the model total exceeds every layer's entries together.
   auto p3 = ok.plan<float>(Budget::tokens(21));
   p3.add(st.in);

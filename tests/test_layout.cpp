@@ -1,4 +1,4 @@
-// Section 8 of docs/algorithms.md on every catalogue policy: shared selections are identical across the shared
+// docs/algorithms.md#layouts on every catalogue policy: shared selections are identical across the shared
 // heads (and layers), never over the budget, block selections are whole blocks plus each head's tail, and the
 // compaction plans reproduce compact(). The float64 reference comparison is in test_layout_reference.cpp.
 #include <catch2/catch.hpp>
@@ -30,7 +30,7 @@ std::vector<std::int64_t> head_rows(const Selection& s, Index h) {
   return {r.begin(), r.end()};
 }
 
-/// Checks the section 8 invariants of one model's selections; returns "" or the first problem.
+/// Checks the docs/algorithms.md#layouts invariants of one model's selections; returns "" or the first problem.
 std::string layout_errors(const std::vector<Selection>& sels, const kvevict::LayoutParams& layout, Index L, Index n,
                           kvevict::BudgetScope scope) {
   const Index B = layout.block;

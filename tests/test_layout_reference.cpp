@@ -1,4 +1,4 @@
-// Section 8 of docs/algorithms.md (sharing, blocks, reductions) for every policy against the independent float64
+// docs/algorithms.md#layouts (sharing, blocks, reductions) for every policy against the independent float64
 // reference of tests/support/reference_layout.hpp, row for row, on random layers (ragged per head, shared
 // positions per layer or per model), with capacity padding and original positions.
 #include <catch2/catch.hpp>

@@ -1,4 +1,4 @@
-// forcing/mass_forcing.hpp: DefensiveKV's cumulative-attention-mass forcing (docs/algorithms.md section 2.6), corrected
+// forcing/mass_forcing.hpp: DefensiveKV's cumulative-attention-mass forcing (docs/algorithms.md#forcing), corrected
 // and under reference_quirks (window bias of the prefix tail, cap int(P (1 - cr) - w), negative cap = "all but the last
 // |cap|"), against hand-worked numbers and kvevict_ref::mass_forced.
 #include <catch2/catch.hpp>
@@ -72,7 +72,7 @@ Forced forced_of(const MassStatistics<S>& m, int heads, double tau, Index cap) {
   return out;
 }
 
-// The caps of docs/algorithms.md section 2.6, as the selector computes them.
+// The caps of docs/algorithms.md#forcing, as the selector computes them.
 Index corrected_cap(std::int64_t n_kept, Index w) { return std::max<Index>(0, static_cast<Index>(n_kept) - w); }
 Index quirk_cap(Index P, Index w, double cr) {
   return static_cast<Index>(static_cast<double>(P) * (1.0 - cr) - static_cast<double>(w));

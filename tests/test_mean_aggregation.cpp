@@ -1,4 +1,5 @@
-// aggregation/mean.hpp: stage 2.3 (mean over window rows, pool, mean over the GQA group) against the reference.
+// aggregation/mean.hpp: stage "aggregation" (docs/algorithms.md#aggregation: mean over window rows, pool, mean over the
+// GQA group) against the reference.
 #include <catch2/catch.hpp>
 
 #include <kvevict/extend.hpp>

@@ -1,4 +1,4 @@
-// measure/perturbation.hpp (docs/algorithms.md section 4): retained attention mass and output perturbation of a
+// measure/perturbation.hpp (docs/algorithms.md#measured): retained attention mass and output perturbation of a
 // selection, measured with future queries; a hand-checked tiny case, the full cache, consistency of mean / min /
 // relative with per_query, an independent double-loop computation, and errors.
 #include <catch2/catch.hpp>
@@ -39,8 +39,8 @@ Selection everything(Index heads, Index tokens) {
   return Selection::from_flags(std::vector<std::uint8_t>(sz(heads * tokens), 1), heads, tokens);
 }
 
-// Independent double loops: softmax over all L keys for future query f of head q, then the sums of docs/algorithms.md
-// section 4.
+// Independent double loops: softmax over all L keys for future query f of head q, then the sums of
+// docs/algorithms.md#measured.
 struct Direct {
   std::vector<double> mass;          // [H, F]
   std::vector<double> perturbation;  // [F]

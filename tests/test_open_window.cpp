@@ -1,4 +1,4 @@
-// DefensiveSelector's open window and the OpenDefensiveKV preset (docs/algorithms.md section 2.11): the window is
+// DefensiveSelector's open window and the OpenDefensiveKV preset (docs/algorithms.md#open-window): the window is
 // observed whole, its tokens are scored like the prefix, only each head's newest entry is kept first. Hand-worked
 // numbers, then DefensiveKV and the layer-global policy against the float64 reference on random layers.
 #include <catch2/catch.hpp>

@@ -1,4 +1,4 @@
-// aggregation/pooling.hpp: stage 2.2, 1-D pooling along tokens.
+// aggregation/pooling.hpp: stage "pooling" (docs/algorithms.md#pooling), 1-D pooling along tokens.
 #include <catch2/catch.hpp>
 
 #include <kvevict/extend.hpp>

@@ -1,4 +1,4 @@
-// PyramidKV (docs/algorithms.md section 2.5, "Pyramid allocation"): the per-layer shares against the worked numbers
+// PyramidKV (docs/algorithms.md#allocation, "Pyramid allocation"): the per-layer shares against the worked numbers
 // and an independent implementation of the documented rule over a sweep, the model total, and the policy against
 // SnapKV (and compositions against their uniform twin) with each layer's budget given as a token count; the place
 // of a layer in the model, and the errors.
@@ -42,7 +42,7 @@ std::vector<std::int64_t> shares(double beta, std::int64_t n, Index w, Index N) 
   return out;
 }
 
-/// The rule of section 2.5 written again (tests/support/reference_layout.hpp).
+/// The rule of docs/algorithms.md#allocation written again (tests/support/reference_layout.hpp).
 std::vector<std::int64_t> reference_shares(double beta, std::int64_t n, Index w, Index N) {
   return kvevict_ref::layout::pyramid_shares(beta, n, w, N);
 }
@@ -57,7 +57,7 @@ kvevict::Knobs knobs(Index w) {
 
 }  // namespace
 
-TEST_CASE("PyramidKV: the worked example of docs/algorithms.md 2.5", "[pyramid][allocation]") {
+TEST_CASE("PyramidKV: the worked example of docs/algorithms.md#allocation", "[pyramid][allocation]") {
   // n_kept 20, w 4, N 4, beta 2: p 16, lo 8, hi 24, line 24, 18.67, 13.33, 8; floors 24 18 13 8 (63 of 64),
   // one more token to the largest fraction (layer 1).
   CHECK(shares(2.0, 20, 4, 4) == std::vector<std::int64_t>{28, 23, 17, 12});

@@ -1,4 +1,4 @@
-// Quantized caches (docs/algorithms.md section 9): int8 and fp8 (e4m3, e5m2) keys and values with a per-tensor
+// Quantized caches (docs/algorithms.md#quantized): int8 and fp8 (e4m3, e5m2) keys and values with a per-tensor
 // scale and optional per-token or per-head-and-token scales. Every code decodes exactly, and every catalogue policy
 // selects exactly as on float storage holding the dequantized values float(code) * (tensor * token).
 #include <catch2/catch.hpp>
@@ -195,7 +195,8 @@ void same_as_dequantized(const QuantizedLayer<T>& l, std::int64_t n_kept, const 
   using kvevict::ValueNorm;
   check_policy<S>("snapkv", make_policy<kvevict::SnapKV>(l.w), l, n_kept, what);
   check_policy<S>("defensivekv-l1", make_policy<kvevict::DefensiveKV>(l.w, ValueNorm::l1), l, n_kept, what);
-  check_policy<S>("knorm", make_policy<kvevict::KNorm>(l.w), l, n_kept, what);  // the key-only reader (2.8)
+  // The key-only reader (docs/algorithms.md#key-only).
+  check_policy<S>("knorm", make_policy<kvevict::KNorm>(l.w), l, n_kept, what);
   check_policy<S>("keydiff", make_policy<kvevict::KeyDiff>(l.w), l, n_kept, what);
   if constexpr (std::is_same_v<S, float>) {
     check_policy<S>("adakv", make_policy<kvevict::AdaKV>(l.w), l, n_kept, what);

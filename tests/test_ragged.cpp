@@ -1,4 +1,4 @@
-// Ragged layers and original positions (docs/algorithms.md section 6): the same entries give the same selection
+// Ragged layers and original positions (docs/algorithms.md#ragged): the same entries give the same selection
 // whatever the storage (layout, capacity, what lies beyond each head's length), a ragged layer holding a dense
 // layer's entries selects as the dense layer, per-head stages see only the head's own entries, positions order ties
 // and come back in the Selection, and bad ragged inputs are refused.
@@ -40,7 +40,7 @@ bool same(const Selection& a, const Selection& b) {
 }
 
 /// Window w, per-head selections: TOVA shares one set per layer by default, which needs every KV head at the same
-/// positions (docs/algorithms.md section 8); these layers hold each head's own.
+/// positions (docs/algorithms.md#layouts); these layers hold each head's own.
 kvevict::Knobs window_knob(int w) {
   kvevict::Knobs k;
   k.window = w;

@@ -1,4 +1,4 @@
-// Every policy on ragged layers with original positions (docs/algorithms.md section 6) against the independent
+// Every policy on ragged layers with original positions (docs/algorithms.md#ragged) against the independent
 // float64 reference of tests/support/reference_ragged.hpp, index for index, in every layout and with the capacity
 // beyond each head's entries full of NaN.
 #include <catch2/catch.hpp>

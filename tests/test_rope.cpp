@@ -1,4 +1,4 @@
-// rope/rerotate.hpp: renumbered positions of kept entries and key re-rotation (docs/algorithms.md section 8, "RoPE
+// rope/rerotate.hpp: renumbered positions of kept entries and key re-rotation (docs/algorithms.md#layouts, "RoPE
 // positions"), checked against an independent float64 RoPE written from the Hugging Face formulas.
 //
 // Tolerances. For a rotary pair of norm r (rotation preserves it), with eps_T the storage epsilon (float 2^-23,

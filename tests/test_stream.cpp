@@ -1,4 +1,4 @@
-// Eviction while the cache grows (docs/algorithms.md section 7): CacheBook / evict_over_budget over a synthetic
+// Eviction while the cache grows (docs/algorithms.md#streaming): CacheBook / evict_over_budget over a synthetic
 // engine whose "forward pass" appends fixed keys, values and queries per position. One step of the whole prompt is
 // the one-shot selection bit for bit; smaller steps keep every layer within the budget plus one step; errors leave
 // the cache as it was.
@@ -176,7 +176,7 @@ TEST_CASE("stream: chunked prefill and capped decoding stay within the budget pl
       const auto policy = e.make(window_knob(w));
       using P = typename std::decay_t<decltype(e)>::policy_type;
       const bool model_budget = kvevict::budget_scope<P>() == kvevict::BudgetScope::model;
-      Index kept_window = w;  // an open window (docs/algorithms.md section 2.11) keeps only the newest entry
+      Index kept_window = w;  // an open window (docs/algorithms.md#open-window) keeps only the newest entry
       if constexpr (std::is_base_of_v<kvevict::DefensiveSelector::Params, typename P::Params>)
         if (policy.params().open_window) kept_window = 1;
       Engine eng(s, T, w);

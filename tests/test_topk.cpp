@@ -1,4 +1,4 @@
-// ranking/score_map.hpp and ranking/topk.hpp: tiers and the deterministic top-k of docs/algorithms.md section 2.7.
+// ranking/score_map.hpp and ranking/topk.hpp: tiers and the deterministic top-k of docs/algorithms.md#ties.
 #include <catch2/catch.hpp>
 
 #include <kvevict/extend.hpp>
@@ -110,7 +110,8 @@ TEST_CASE("ScoreMap::require_finite names the first non-finite scored entry and 
   CHECK_NOTHROW(m.require_finite("select"));
 }
 
-TEST_CASE("top_k_of_head matches a full sort in the 2.7 order, with many exact ties and all tiers", "[topk]") {
+TEST_CASE("top_k_of_head matches a full sort in the docs/algorithms.md#ties order, with many exact ties and all tiers",
+          "[topk]") {
   Rng rng(61);
   for (int t = 0; t < 60; ++t) {
     const Index heads = std::uniform_int_distribution<Index>(1, 8)(rng);

@@ -1,4 +1,4 @@
-// value/value_norm.hpp: the value term of CriticalKV / DefensiveKV (docs/algorithms.md section 2.4), N[h][j] = mean
+// value/value_norm.hpp: the value term of CriticalKV / DefensiveKV (docs/algorithms.md#value-term), N[h][j] = mean
 // over the query heads q of group h of || V[h][j] (W_o^q)^T ||_p, against hand-worked numbers and the float64
 // reference; output_projection() and OutputGram; the L2 Gram path ranks and selects exactly as the direct L2
 // computation.

@@ -1,4 +1,4 @@
-// The pruned L1 value term (docs/algorithms.md section 2.4.1, include/kvevict/value/value_bound.hpp): the exact term
+// The pruned L1 value term (docs/algorithms.md#pruned-l1, include/kvevict/value/value_bound.hpp): the exact term
 // on chosen rows equals value_norms bit for bit, the bound holds for the computed term (adversarial values included),
 // and CriticalKV with pruning selects exactly what it selects without, over random and adversarial layers.
 

@@ -1,4 +1,5 @@
-// observation/window_attention.hpp: stage 2.1 against the float64 reference.
+// observation/window_attention.hpp: stage "window attention" (docs/algorithms.md#window-attention) against the
+// float64 reference.
 #include <catch2/catch.hpp>
 
 #include <kvevict/extend.hpp>

@@ -7,8 +7,8 @@
 //   layers.{i}.keys [Hkv, L, d], layers.{i}.values [Hkv, L, d] (optional for attention-only policies),
 //   layers.{i}.w_o [D, H*d] (value-aware policies only)
 //   dtypes F64, F32, F16, BF16; keys and values also I8, F8_E4M3 or F8_E5M2 (a quantized cache), each with an
-//   optional F32 layers.{i}.keys_scale / values_scale: [] (one factor), [L] or [Hkv, L] (docs/algorithms.md 9)
-//   Ragged layers (docs/algorithms.md section 6), both optional, I64 or I32:
+//   optional F32 layers.{i}.keys_scale / values_scale: [] (one factor), [L] or [Hkv, L] (docs/algorithms.md#quantized)
+//   Ragged layers (docs/algorithms.md#ragged), both optional, I64 or I32:
 //   layers.{i}.lengths [Hkv]      head h holds rows [0, lengths[h]) of keys and values (the rest is padding);
 //                                 absent: every head holds all L rows
 //   layers.{i}.positions [Hkv, L] original token position of each row, strictly increasing along a head
@@ -16,7 +16,7 @@
 // Output, per layer: layers.{i}.kept_indices I64 (rows, heads concatenated, each ascending),
 //                    layers.{i}.kept_offsets I64 [Hkv + 1],
 //                    layers.{i}.kept_positions I64 (original positions, parallel to kept_indices);
-//                    with --block B > 1 (docs/algorithms.md section 8) also
+//                    with --block B > 1 (docs/algorithms.md#layouts) also
 //                    layers.{i}.kept_blocks I64 (kept block ids, heads concatenated, each ascending; block b = rows
 //                                               [bB, bB + B), a head's partial tail block included),
 //                    layers.{i}.kept_block_offsets I64 [Hkv + 1] (head h's blocks: [offsets[h], offsets[h + 1])).

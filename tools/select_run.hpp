@@ -1,10 +1,12 @@
 #pragma once
-// kvevict-select's input side: the layers of a safetensors dump, validated and viewed as kvevict::LayerInputs,
-// then the selections of the policy the options name. Separate from main() so that the fuzzer
-// (tests/fuzz/fuzz_select.cpp) drives exactly the code the tool runs, on bytes in memory.
+// kvevict-select's input side: the tensors of a safetensors dump handed to the bindings' runtime as kvevict_layer
+// (src/runtime/tensors.hpp), which checks them against the input contract and runs the policy the options name.
+// Only what belongs to the file format is here: the layers' numbering, the dtypes a file may hold, I32 lengths and
+// positions widened to I64, and aligned copies of the tensors' bytes (a file's data may be unaligned). Every rule of
+// the contract itself (shapes, dtypes of the cache, scales, the window, what a policy needs) is the runtime's, so
+// the CLI, C and Python refuse the same input with the same message, naming the tensor "layers.<i>.<name>".
+// Separate from main() so that the fuzzer (tests/fuzz/fuzz_select.cpp) drives exactly the tool's code.
 
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -15,16 +17,15 @@
 
 #include "kvevict/kvevict.hpp"
 #include "options.hpp"  // src/runtime/
-#include "run_policy.hpp"
 #include "safetensors.hpp"
+#include "tensors.hpp"
 
 namespace kvevict::tools {
 
 namespace st = ::safetensors;
 using runtime::Options;
-using runtime::run_policy;
 
-/// Bad input data (as opposed to usage_error: a bad command line).
+/// Bad input data that only a file can hold (as opposed to usage_error: a bad command line).
 struct input_error : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
@@ -49,98 +50,31 @@ inline Index count_layers(const st::file& in) {
   return n;
 }
 
-/// A floating tensor of the given rank, converted to S, with its shape.
-template <class S>
-struct Loaded {
-  std::vector<S> data;
-  std::vector<std::int64_t> shape;
-};
-
 inline std::string shape_str(const std::vector<std::int64_t>& s) {
   std::string out = "[";
   for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
   return out + "]";
 }
 
-inline bool is_quantized(st::dtype t) {
-  return t == st::dtype::I8 || t == st::dtype::F8_E4M3 || t == st::dtype::F8_E5M2;
-}
-
-/// The dequantisation factor of every row [h, j] of a quantized cache tensor [Hkv, L, d], from '<name>_scale'
-/// (F32): shape [] or [1] one factor for the tensor, [L] one per token, [Hkv, L] one per KV head and token; 1 when
-/// there is none (docs/algorithms.md section 9: the factor multiplies the code's value, in float).
-inline std::vector<float> row_factors(const st::file& in, const std::string& name, std::int64_t Hkv, std::int64_t L) {
-  const std::string scale_name = name + "_scale";
-  const st::tensor_info* s = in.find(scale_name);
-  std::vector<float> factors(static_cast<std::size_t>(Hkv * L), 1.0f);
-  if (!s) return factors;
-  const std::string expected = "F32 [] or [1] (one factor), [" + std::to_string(L) + "] (one per token) or [" +
-                               std::to_string(Hkv) + ", " + std::to_string(L) + "] (one per KV head and token)";
-  if (s->type != st::dtype::F32)
-    throw input_error("tensor '" + scale_name + "' has dtype " + st::dtype_name(s->type) + "; expected " + expected);
-  const std::vector<float> v = in.read_floats<float>(*s);
-  for (std::size_t i = 0; i < v.size(); ++i)
-    if (!std::isfinite(v[i]))
-      throw input_error("tensor '" + scale_name + "' element " + std::to_string(i) + " is " + std::to_string(v[i]) +
-                        "; expected finite dequantisation factors");
-  const auto& shape = s->shape;
-  if (shape.empty() || shape == std::vector<std::int64_t>{1})
-    std::fill(factors.begin(), factors.end(), v.at(0));
-  else if (shape == std::vector<std::int64_t>{L})
-    for (std::int64_t h = 0; h < Hkv; ++h) std::copy(v.begin(), v.end(), factors.begin() + h * L);
-  else if (shape == std::vector<std::int64_t>{Hkv, L})
-    factors = v;
-  else
-    throw input_error("tensor '" + scale_name + "' has shape " + shape_str(shape) + "; expected " + expected);
-  return factors;
-}
-
-/// A quantized cache tensor [Hkv, L, d] of codes T, dequantized as the library reads T: row [h, j] is
-/// float(code) * factor(h, j) in float (kvevict::detail::dequantize), then widened to S.
-template <class T, class S>
-std::vector<S> dequantized(const st::file& in, const st::tensor_info& t, const std::vector<float>& factors) {
-  const std::int64_t rows = t.shape[0] * t.shape[1], d = t.shape[2];
-  std::vector<T> codes(static_cast<std::size_t>(rows * d));
-  std::memcpy(codes.data(), in.raw(t), codes.size());  // one byte per code
-  std::vector<S> out(codes.size());
-  std::vector<float> row(static_cast<std::size_t>(d));
-  for (std::int64_t r = 0; r < rows; ++r) {
-    kvevict::detail::dequantize(codes.data() + r * d, factors[static_cast<std::size_t>(r)], row.data(), d);
-    std::copy(row.begin(), row.end(), out.begin() + r * d);
-  }
-  return out;
-}
-
-template <class S>
-std::optional<Loaded<S>> load(const st::file& in, const std::string& name, std::size_t rank, const char* dims,
-                              bool cache = false) {
-  const st::tensor_info* t = in.find(name);
-  if (!t) return std::nullopt;
-  const bool quantized = cache && is_quantized(t->type);
-  if (!quantized && t->type != st::dtype::F64 && t->type != st::dtype::F32 && t->type != st::dtype::F16 &&
-      t->type != st::dtype::BF16)
-    throw input_error("tensor '" + name + "' has dtype " + st::dtype_name(t->type) +
-                      "; expected F64, F32, F16 or BF16" +
-                      (cache ? " (or a quantized cache: I8, F8_E4M3 or F8_E5M2 with '" + name + "_scale')" : ""));
-  if (t->shape.size() != rank)
-    throw input_error("tensor '" + name + "' has rank " + std::to_string(t->shape.size()) + "; expected rank " +
-                      std::to_string(rank) + " " + dims);
-  for (std::int64_t e : t->shape)
-    if (e == 0) throw input_error("tensor '" + name + "' is empty; expected " + dims + " with no zero extent");
-  if (!quantized) {
-    if (cache && in.find(name + "_scale"))
-      throw input_error("tensor '" + name + "_scale' scales '" + name + "', which is " + st::dtype_name(t->type) +
-                        "; expected no scale for a floating cache (scales apply to I8, F8_E4M3 or F8_E5M2)");
-    return Loaded<S>{in.read_floats<S>(*t), t->shape};
-  }
-  const std::vector<float> factors = row_factors(in, name, t->shape[0], t->shape[1]);
-  switch (t->type) {
+/// The runtime's dtype of a file's floating or quantized dtype; nullopt for the integer ones (I64, I32, U8, BOOL).
+inline std::optional<kvevict_dtype> runtime_dtype(st::dtype t) {
+  switch (t) {
+    case st::dtype::F64:
+      return KVEVICT_F64;
+    case st::dtype::F32:
+      return KVEVICT_F32;
+    case st::dtype::F16:
+      return KVEVICT_F16;
+    case st::dtype::BF16:
+      return KVEVICT_BF16;
     case st::dtype::I8:
-      return Loaded<S>{dequantized<std::int8_t, S>(in, *t, factors), t->shape};
+      return KVEVICT_I8;
     case st::dtype::F8_E4M3:
-      return Loaded<S>{dequantized<kvevict::float8_e4m3, S>(in, *t, factors), t->shape};
+      return KVEVICT_F8_E4M3;
+    case st::dtype::F8_E5M2:
+      return KVEVICT_F8_E5M2;
     default:
-      return Loaded<S>{dequantized<kvevict::float8_e5m2, S>(in, *t, factors), t->shape};
+      return std::nullopt;
   }
 }
 
@@ -160,99 +94,90 @@ inline std::optional<std::vector<std::int64_t>> load_integers(const st::file& in
   return in.read_i64(*t);
 }
 
-/// One layer's tensors converted to S, and the views the library reads.
-template <class S>
+/// One layer of the file as the runtime reads it: `layer` points into the aligned copies held here.
 struct LayerTensors {
-  std::optional<Loaded<S>> keys, values, queries, attention, w_o;
-  std::optional<std::vector<std::int64_t>> lengths, positions;  // ragged layers (docs/algorithms.md section 6)
-  kvevict::LayerInputs<S> inputs;
+  kvevict_layer layer{};
+  std::vector<std::vector<std::uint64_t>> bytes;  // each tensor's data, 8-byte aligned (moving keeps the buffers)
+  std::vector<std::int64_t> lengths, positions;
+
+  /// The tensor `name` of the file as a contiguous kvevict_tensor (host byte order: the file's little-endian bytes
+  /// as they are, so a big-endian host would misread them); an absent tensor is left empty (data NULL).
+  kvevict_tensor tensor(const st::file& in, const std::string& name, bool cache) {
+    kvevict_tensor out{};
+    const st::tensor_info* t = in.find(name);
+    if (!t) return out;
+    const std::optional<kvevict_dtype> dtype = runtime_dtype(t->type);
+    if (!dtype)
+      throw input_error("tensor '" + name + "' has dtype " + st::dtype_name(t->type) +
+                        "; expected F64, F32, F16 or BF16" +
+                        (cache ? " (or a quantized cache: I8, F8_E4M3 or F8_E5M2 with '" + name + "_scale')" : ""));
+    if (t->shape.size() > 3)
+      throw input_error("tensor '" + name + "' has rank " + std::to_string(t->shape.size()) +
+                        "; expected rank 3 or less");
+    out.dtype = *dtype;
+    out.rank = static_cast<std::int32_t>(t->shape.size());
+    std::int64_t stride = 1;
+    for (int i = out.rank - 1; i >= 0; --i) {
+      out.shape[i] = t->shape[static_cast<std::size_t>(i)];
+      out.strides[i] = stride;
+      stride *= out.shape[i];
+    }
+    const std::size_t size = t->end - t->begin;
+    bytes.emplace_back((size + 7) / 8 + 1);  // never empty: an empty tensor still has a non-NULL address
+    if (size > 0) std::memcpy(bytes.back().data(), in.raw(*t), size);
+    out.data = bytes.back().data();
+    return out;
+  }
 };
 
-template <class S>
-LayerTensors<S> load_layer(const Options& opt, const st::file& in, Index layer, std::optional<Index>& window) {
+/// Layer `layer` of the file: its tensors, and its lengths and positions checked against the keys' [Hkv, L] (the
+/// runtime checks their values).
+inline LayerTensors load_layer(const st::file& in, Index layer) {
   const std::string prefix = "layers." + std::to_string(layer) + ".";
-  LayerTensors<S> t;
-  t.keys = load<S>(in, prefix + "keys", 3, "[kv_heads, tokens, head_dim]", /*cache=*/true);
-  t.values = load<S>(in, prefix + "values", 3, "[kv_heads, tokens, head_dim]", /*cache=*/true);
-  t.queries = load<S>(in, prefix + "q_window", 3, "[heads, window, head_dim]");
-  t.attention = load<S>(in, prefix + "window_attention", 3, "[heads, window, tokens]");
-  t.w_o = load<S>(in, prefix + "w_o", 2, "[hidden, heads * head_dim]");
-  const Index Hkv = t.keys->shape[0], L = t.keys->shape[1], d = t.keys->shape[2];
-  kvevict::LayerInputs<S>& li = t.inputs;
-  li.keys = kvevict::kv_heads_major<const S>(t.keys->data.data(), Hkv, L, d);
+  LayerTensors t;
+  kvevict_layer& l = t.layer;
+  l.keys = t.tensor(in, prefix + "keys", /*cache=*/true);
+  l.values = t.tensor(in, prefix + "values", /*cache=*/true);
+  l.q_window = t.tensor(in, prefix + "q_window", false);
+  l.window_attention = t.tensor(in, prefix + "window_attention", false);
+  l.w_o = t.tensor(in, prefix + "w_o", false);
+  l.keys_scale = t.tensor(in, prefix + "keys_scale", false);
+  l.values_scale = t.tensor(in, prefix + "values_scale", false);
+  if (l.keys.rank != 3 || l.keys.shape[0] < 1 || l.keys.shape[1] < 1 || l.keys.shape[2] < 1)
+    return t;  // the runtime refuses these keys before it reads lengths or positions
+  const Index Hkv = l.keys.shape[0], L = l.keys.shape[1];
   // Ragged layers: keys and values padded to L rows per head, head h holding rows [0, lengths[h]) at the original
-  // positions positions[h, 0 .. lengths[h]); the library checks the values (range, increasing).
-  t.lengths = load_integers(
-      in, prefix + "lengths", {Hkv},
-      "[kv_heads]: the entries held by each of the " + std::to_string(Hkv) + " KV heads of '" + prefix + "keys'");
-  t.positions = load_integers(
-      in, prefix + "positions", {Hkv, L},
-      "[kv_heads, tokens]: the original position of every row of '" + prefix + "keys' " + shape_str(t.keys->shape));
-  if (t.lengths) li.lengths = t.lengths->data();
-  if (t.positions) li.positions = kvevict::positions_heads_major(t.positions->data(), Hkv, L);
-  if (t.values) {
-    if (t.values->shape[0] != Hkv || t.values->shape[1] != L)
-      throw input_error("tensor '" + prefix + "values' has shape " + shape_str(t.values->shape) + "; expected [" +
-                        std::to_string(Hkv) + ", " + std::to_string(L) + ", head_dim] like the keys");
-    li.values = kvevict::kv_heads_major<const S>(t.values->data.data(), Hkv, L, t.values->shape[2]);
+  // positions positions[h, 0 .. lengths[h]) (docs/algorithms.md#ragged).
+  if (auto v = load_integers(
+          in, prefix + "lengths", {Hkv},
+          "[kv_heads]: the entries held by each of the " + std::to_string(Hkv) + " KV heads of '" + prefix + "keys'")) {
+    t.lengths = std::move(*v);
+    l.lengths = t.lengths.data();
   }
-  if (t.queries && t.attention)
-    throw input_error("layer " + std::to_string(layer) +
-                      " has both 'q_window' and 'window_attention'; expected exactly one");
-  const bool needs_observation = opt.reads_observation, value_aware = opt.reads_values;
-  if (!t.queries && !t.attention && needs_observation)
-    throw input_error("missing tensor '" + prefix + "q_window' [heads, window, head_dim] (or '" + prefix +
-                      "window_attention' [heads, window, tokens])");
-  const Loaded<S>* obs = t.queries ? &*t.queries : t.attention ? &*t.attention : nullptr;
-  if (obs && needs_observation) {
-    const auto view =
-        kvevict::HeadsView<const S>::heads_major(obs->data.data(), obs->shape[0], obs->shape[1], obs->shape[2]);
-    (t.queries ? li.queries : li.attention) = view;
-    if (!window) window = obs->shape[1];
-    if (*window != obs->shape[1])
-      throw input_error("--window " + std::to_string(*window) + " does not match the " + std::to_string(obs->shape[1]) +
-                        " window rows of '" + prefix + (t.queries ? "q_window'" : "window_attention'"));
-    if (value_aware) {
-      if (!t.values)
-        throw input_error("missing tensor '" + prefix + "values' [kv_heads, tokens, head_dim]; the " + opt.policy +
-                          " policy needs it");
-      if (!t.w_o)
-        throw input_error("missing tensor '" + prefix + "w_o' [hidden, heads * head_dim]; the " + opt.policy +
-                          " policy needs it");
-      const Index H = obs->shape[0], dv = t.values->shape[2];
-      if (t.w_o->shape[1] != H * dv)
-        throw input_error("tensor '" + prefix + "w_o' has shape " + shape_str(t.w_o->shape) + "; expected [hidden, " +
-                          std::to_string(H * dv) + "] (heads * head_dim)");
-      li.w_o = kvevict::output_projection<const S>(t.w_o->data.data(), t.w_o->shape[0], H, dv);
-    }
+  if (auto v = load_integers(in, prefix + "positions", {Hkv, L},
+                             "[kv_heads, tokens]: the original position of every row of '" + prefix + "keys' [" +
+                                 std::to_string(Hkv) + ", " + std::to_string(L) + ", " +
+                                 std::to_string(l.keys.shape[2]) + "]")) {
+    t.positions = std::move(*v);
+    l.positions = t.positions.data();
+    l.positions_strides[0] = L;
+    l.positions_strides[1] = 1;
   }
   return t;
 }
 
 /// The selections (one per layer) of the policy `opt` names on the layers of `in`. Throws input_error or
 /// kvevict::invalid_argument (bad tensors), usage_error (options that do not fit the data).
-template <class S>
-std::vector<kvevict::Selection> select_layers(const Options& opt, const st::file& in) {
-  const Index n_layers = count_layers(in);
-  std::optional<Index> window = opt.knobs.window;
-  std::vector<LayerTensors<S>> layers;
-  layers.reserve(static_cast<std::size_t>(n_layers));  // the views point into these buffers: no reallocation
-  std::vector<kvevict::LayerInputs<S>> inputs;
-  for (Index i = 0; i < n_layers; ++i) {
-    layers.push_back(load_layer<S>(opt, in, i, window));
-    inputs.push_back(layers.back().inputs);
-  }
-  return run_policy<S>(opt, inputs, window);
-}
-
-#ifdef KVEVICT_SELECT_RUN_EXTERN  // compiled once, in tools/select_run.cpp (tools/CMakeLists.txt)
-extern template std::vector<kvevict::Selection> select_layers<float>(const Options&, const st::file&);
-extern template std::vector<kvevict::Selection> select_layers<double>(const Options&, const st::file&);
-#endif
-
-/// select_layers() at the options' precision.
 inline std::vector<kvevict::Selection> select_layers(const Options& opt, const st::file& in) {
-  return opt.precision == "f64" ? select_layers<double>(opt, in) : select_layers<float>(opt, in);
+  const Index n_layers = count_layers(in);
+  std::vector<LayerTensors> tensors;
+  std::vector<kvevict_layer> layers;
+  for (Index i = 0; i < n_layers; ++i) {
+    tensors.push_back(load_layer(in, i));
+    layers.push_back(tensors.back().layer);  // points into buffers that moving `tensors` keeps in place
+  }
+  // The command line names one budget (runtime::parse_command_line refuses it otherwise).
+  return runtime::select_tensors(opt, *opt.budget, layers.data(), layers.size(), runtime::TensorNames::dotted);
 }
 
 }  // namespace kvevict::tools

@@ -19,7 +19,7 @@
 namespace demo {
 
 /// How the cache is filled and evicted (--mode): once after the prefill, after every prefill chunk, or after
-/// every step of the whole stream (docs/algorithms.md section 7).
+/// every step of the whole stream (docs/algorithms.md#streaming).
 enum class Mode { oneshot, chunked, capped };
 
 inline const char* to_string(Mode m) {
@@ -59,7 +59,7 @@ struct Record {
   std::string policy;  // the kvevict-select policy name; "full" for the full cache
   Mode mode = Mode::oneshot;
   long chunk = 0;                                       // the step of chunked / capped; 0 for oneshot
-  kvevict::Sharing share = kvevict::Sharing::per_head;  // the layout (docs/algorithms.md section 8)
+  kvevict::Sharing share = kvevict::Sharing::per_head;  // the layout (docs/algorithms.md#layouts)
   long block = 1;
   kvevict::Reduce reduce = kvevict::Reduce::max;
   bool renumber = false;  // RoPE positions renumbered after each eviction

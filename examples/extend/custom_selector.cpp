@@ -57,14 +57,14 @@ struct KeyNormSelector {
                  const ext::LayerBudget& /*budget*/, const char* where) const {
     kvevict::RowMatrix<S> prefix = kvevict::RowMatrix<S>::Zero(shape.kv_heads, shape.prefix);  // [Hkv, P]
     for (Index h = 0; h < shape.kv_heads; ++h)
-      for (Index j = 0; j < shape.prefix_of(h); ++j)  // P_h: a ragged head's own prefix (docs/algorithms.md 6)
+      for (Index j = 0; j < shape.prefix_of(h); ++j)  // P_h: a ragged head's own prefix (docs/algorithms.md#ragged)
         prefix(h, j) = -key_norm<S>(in.keys.row(h, j), shape.head_dim, params_.norm_order);
     Layer<S> layer{ext::scores_with_window(prefix, shape, common.reference_quirks)};
     layer.allocation.require_finite(where);  // NaN or Inf keys: kvevict::invalid_argument naming the policy
     return layer;
   }
 
-  // No select(): each head keeps its top budgets[h] entries of `allocation` (section 2.7 order).
+  // No select(): each head keeps its top budgets[h] entries of `allocation` (docs/algorithms.md#ties order).
 
  private:
   Params params_;

@@ -13,14 +13,14 @@
 /// decoding step (decode()); with a compressed cache and n > 1 it is the teacher-forced equivalent of n decoding
 /// steps (chunked decoding). Positions are original token positions unless renumber_positions(true): then after
 /// every eviction each head's kept keys are re-rotated to the contiguous RoPE positions 0 .. length - 1
-/// (kvevict::rerotate, docs/algorithms.md section 8) and new tokens of a KV head (keys and its group's queries) are
+/// (kvevict::rerotate, docs/algorithms.md#layouts) and new tokens of a KV head (keys and its group's queries) are
 /// rotated at that head's length, as StreamingLLM's position shift and llama.cpp's K-shift do.
 ///
 /// Eviction: extend() remembers, per layer, the post-RoPE queries of the last `window` positions [H, w, d].
 /// eviction_inputs(layer) hands them to kvevict together with the layer's keys and values as views over the cache
 /// storage (no copy) and each head's length and positions (a ragged cache after an eviction); evict(layer,
 /// selection) compacts the cache in place. Eviction while the cache grows (chunked prefill, decoding under a cap):
-/// call evict_over_budget(policy, n) after each extend() of c >= window tokens (docs/algorithms.md section 7).
+/// call evict_over_budget(policy, n) after each extend() of c >= window tokens (docs/algorithms.md#streaming).
 /// The forward pass also adds each softmax row to the attention its entries received (LayerBook::add_attention),
 /// which H2O reads: the prefill's whole causal attention, then every later token's.
 

@@ -8,19 +8,19 @@
 ///   stage                      header                          blocks
 ///   shapes and budgets         core/inputs.hpp                 LayerShape
 ///                              allocation/layer_budget.hpp     LayerBudget, layer_budget
-///   2.1 observation            observation/window_attention    WindowObservation, observe, window_attention
-///   2.2 pooling                aggregation/pooling.hpp         pool1d
-///   2.3 aggregation            aggregation/mean.hpp            MeanAggregator, mean_scores
+///   window-attention           observation/window_attention    WindowObservation, observe, window_attention
+///   pooling                    aggregation/pooling.hpp         pool1d
+///   aggregation                aggregation/mean.hpp            MeanAggregator, mean_scores
 ///                              aggregation/defensive.hpp       DefensiveAggregator, defensive_scores
-///   2.4 value term             value/value_norm.hpp            value_norms, validate_value_inputs, output_gram
-///   2.5 allocation             allocation/layer_global.hpp     allocate_layer_global
-///   2.6 forcing                forcing/mass_forcing.hpp        MassStatistics
-///   2.6-2.7 ranking, top-k     ranking/score_map.hpp           ScoreMap, Tier
+///   value-term                 value/value_norm.hpp            value_norms, validate_value_inputs, output_gram
+///   allocation                 allocation/layer_global.hpp     allocate_layer_global
+///   forcing                    forcing/mass_forcing.hpp        MassStatistics
+///   forcing, ties: top-k       ranking/score_map.hpp           ScoreMap, Tier
 ///                              ranking/topk.hpp                KeepFlags, top_k_of_head, top_k_counts
 ///   selectors' shared steps    selectors/selector.hpp          scores_with_window, select_top_per_head
 ///   errors and input checks    core/error.hpp, core/inputs.hpp require, validate_inputs
-///   8 sharing and blocks       layout/units.hpp                Grouping, group_maps, to_units, unit_budget, expand
-/// (section numbers: docs/algorithms.md)
+///   layouts: sharing, blocks   layout/units.hpp                Grouping, group_maps, to_units, unit_budget, expand
+/// (a stage named by an anchor is the section docs/algorithms.md#<anchor>, e.g. docs/algorithms.md#forcing)
 
 #include "kvevict/kvevict.hpp"
 
@@ -43,7 +43,7 @@ namespace kvevict::extend {
 /// How a Selector or an Allocation reports bad parameters or inputs: throws kvevict::invalid_argument with the
 /// message "kvevict::<where>: <parts...>" unless `ok` (the parts are streamed: text and numbers).
 using detail::require;
-/// The checks of docs/algorithms.md section 1 (and section 6 for ragged layers) on a layer's inputs for an
-/// observation window of `window` queries; returns the layer's shape.
+/// The checks of docs/algorithms.md#setting (and docs/algorithms.md#ragged for ragged layers) on a layer's inputs for
+/// an observation window of `window` queries; returns the layer's shape.
 using detail::validate_inputs;
 }  // namespace kvevict::extend

@@ -457,7 +457,7 @@ def quantize(x, fmt):
 
 def dequantize(codes, fmt, scale):
     """float32 values of a quantized cache [Hkv, L, d]: float(code) * factor, one float32 rounding (the library's
-    rule, docs/algorithms.md section 9); scale None, a number, [L] or [Hkv, L]."""
+    rule, docs/algorithms.md#quantized); scale None, a number, [L] or [Hkv, L]."""
     values = codes.astype(F32) if fmt == "i8" else FP8_VALUES[fmt][codes]
     if scale is None:
         return values

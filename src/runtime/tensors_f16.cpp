@@ -3,5 +3,5 @@
 
 namespace kvevict::runtime {
 template std::vector<Selection> select_storage<Eigen::half>(const Options&, const Budget&, const kvevict_layer*,
-                                                            std::size_t);
+                                                            std::size_t, TensorNames);
 }  // namespace kvevict::runtime

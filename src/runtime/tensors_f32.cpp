@@ -2,5 +2,6 @@
 #include "tensors_impl.hpp"
 
 namespace kvevict::runtime {
-template std::vector<Selection> select_storage<float>(const Options&, const Budget&, const kvevict_layer*, std::size_t);
+template std::vector<Selection> select_storage<float>(const Options&, const Budget&, const kvevict_layer*, std::size_t,
+                                                      TensorNames);
 }  // namespace kvevict::runtime

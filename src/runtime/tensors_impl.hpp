@@ -221,12 +221,12 @@ KVScale scale_of(const kvevict_layer& in, const kvevict_tensor& t, Index Hkv, In
 /// Checks layer `at`'s keys (present, [Hkv, L, d], stored as KV) and its values when present (the keys' dtype, Hkv
 /// and L).
 template <class KV>
-void check_cache(const kvevict_layer& in, const std::string& at) {
+void check_cache(const kvevict_layer& in, const std::string& at, TensorNames names) {
   if (!in.keys.data) throw invalid_argument(at + "keys is missing; expected [kv_heads, tokens, head_dim]");
   check_tensor(in.keys, 3, at + "keys", "[kv_heads, tokens, head_dim]", true);
   if (in.keys.dtype != dtype_of<KV>())
     throw invalid_argument(at + "keys are " + dtype_name(in.keys.dtype) + "; expected " + dtype_name(dtype_of<KV>()) +
-                           " like layers[0].keys (one cache dtype for every layer)");
+                           " like " + layer_prefix(names, 0) + "keys (one cache dtype for every layer)");
   if (!in.values.data) return;
   check_tensor(in.values, 3, at + "values", "[kv_heads, tokens, head_dim]", true);
   if (in.values.dtype != in.keys.dtype)
@@ -239,15 +239,16 @@ void check_cache(const kvevict_layer& in, const std::string& at) {
 }
 
 template <class KV, class S>
-std::vector<Selection> select_typed(const Options& options, const kvevict_layer* layers, std::size_t n_layers) {
+std::vector<Selection> select_typed(const Options& options, const kvevict_layer* layers, std::size_t n_layers,
+                                    TensorNames names) {
   std::optional<Index> window = options.knobs.window;
   std::vector<LayerHold<KV, S>> held(n_layers);  // never resized: the views point into these
   std::vector<LayerInputs<KV, S, S>> inputs;
   for (std::size_t l = 0; l < n_layers; ++l) {
     const kvevict_layer& in = layers[l];
     LayerHold<KV, S>& h = held[l];
-    const std::string at = "layers[" + std::to_string(l) + "].";
-    check_cache<KV>(in, at);
+    const std::string at = layer_prefix(names, l);
+    check_cache<KV>(in, at, names);
     const Index Hkv = in.keys.shape[0], L = in.keys.shape[1];
     h.keys = hold3<KV>(in.keys);
     h.inputs.keys = h.keys.view();
@@ -360,20 +361,20 @@ kvevict_tensor widened_f64(const kvevict_tensor& t, const KVScale& scale, std::v
 /// the same), so that tensors_f64.cpp's instances serve every dtype: one instance per dtype instead of two.
 template <class KV>
 std::vector<Selection> select_storage(const Options& options, const Budget& budget, const kvevict_layer* layers,
-                                      std::size_t n_layers) {
+                                      std::size_t n_layers, TensorNames names) {
   Options o = options;
   o.budget = budget;
   if constexpr (std::is_same_v<KV, double>) {
-    return options.precision == "f64" ? select_typed<double, double>(o, layers, n_layers)
-                                      : select_typed<double, float>(o, layers, n_layers);
+    return options.precision == "f64" ? select_typed<double, double>(o, layers, n_layers, names)
+                                      : select_typed<double, float>(o, layers, n_layers, names);
   } else {
-    if (options.precision != "f64") return select_typed<KV, float>(o, layers, n_layers);
+    if (options.precision != "f64") return select_typed<KV, float>(o, layers, n_layers, names);
     std::vector<kvevict_layer> copies(layers, layers + n_layers);
     std::vector<std::vector<double>> widened(2 * n_layers);  // layer l's keys at 2l, its values at 2l + 1
     for (std::size_t l = 0; l < n_layers; ++l) {
       const kvevict_layer& in = layers[l];
-      const std::string at = "layers[" + std::to_string(l) + "].";
-      check_cache<KV>(in, at);
+      const std::string at = layer_prefix(names, l);
+      check_cache<KV>(in, at, names);
       const Index Hkv = in.keys.shape[0], L = in.keys.shape[1];
       std::vector<float> token;
       const KVScale keys_scale = scale_of<KV>(in, in.keys_scale, Hkv, L, token, at + "keys_scale");
@@ -383,7 +384,7 @@ std::vector<Selection> select_storage(const Options& options, const Budget& budg
         copies[l].values = widened_f64<KV>(in.values, values_scale, widened[2 * l + 1], at + "values");
       copies[l].keys_scale.data = copies[l].values_scale.data = nullptr;
     }
-    return select_storage<double>(options, budget, copies.data(), n_layers);  // tensors_f64.cpp's instance
+    return select_storage<double>(options, budget, copies.data(), n_layers, names);  // tensors_f64.cpp's instance
   }
 }
 

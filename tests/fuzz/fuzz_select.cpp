@@ -44,7 +44,7 @@ void check_selections(const st::file& in, const std::vector<kvevict::Selection>&
       total += s.length(h);
     }
     if (total != s.total() || total != static_cast<kvevict::Index>(s.indices().size())) std::abort();
-    // Block mode (docs/algorithms.md section 8): each head's kept block ids are its kept rows / B, ascending.
+    // Block mode (docs/algorithms.md#layouts): each head's kept block ids are its kept rows / B, ascending.
     if (s.block_size() > 1)
       for (kvevict::Index h = 0; h < s.heads(); ++h) {
         std::vector<std::int64_t> want;

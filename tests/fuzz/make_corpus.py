@@ -118,7 +118,7 @@ def main():
     sel("layer_gap", ["--policy", "snapkv", "--keep", "0.5"], one + [("layers.2.keys", "F32", [1], [0.0])])
     sel("i64_keys", ["--policy", "snapkv", "--keep", "0.5"], [("layers.0.keys", "I64", [2, 12, 4], [1] * 96)] + one[1:])
 
-    # ---- ragged layers (docs/algorithms.md section 6): lengths and positions, padding never read ----
+    # ---- ragged layers (docs/algorithms.md#ragged): lengths and positions, padding never read ----
     def ragged(i, lengths, dtype="I64"):
         t = layer_tensors(rng, i, 4, 2, 3, 12, 4, 8)
         pos = []
@@ -137,7 +137,7 @@ def main():
     sel("ragged_positions_not_increasing", ["--policy", "snapkv", "--budget", "3"],
         layer_tensors(rng, 0, 4, 2, 3, 12, 4, 8) + [("layers.0.positions", "I64", [2, 12], [5] * 24)])
 
-    # ---- layouts (docs/algorithms.md section 8): shared sets, whole blocks, reductions (own generator) ----
+    # ---- layouts (docs/algorithms.md#layouts): shared sets, whole blocks, reductions (own generator) ----
     lay = random.Random(8)
     shared = layer_tensors(lay, 0, 4, 2, 3, 20, 4, 8) + layer_tensors(lay, 1, 4, 2, 3, 20, 4, 8)
     sel("layout_layer_block", ["--policy", "layer-defensivekv", "--budget", "9", "--share", "layer", "--block", "4"],

@@ -1,4 +1,4 @@
-// Random ragged layers (docs/algorithms.md section 6) in float64, and their storage in the library's views: any
+// Random ragged layers (docs/algorithms.md#ragged) in float64, and their storage in the library's views: any
 // layout, capacity and padding. Shared by tests/test_ragged.cpp and tests/test_ragged_reference.cpp.
 #ifndef KVEVICT_TESTS_SUPPORT_RAGGED_INPUTS_HPP
 #define KVEVICT_TESTS_SUPPORT_RAGGED_INPUTS_HPP

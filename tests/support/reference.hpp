@@ -3,7 +3,7 @@
 // Plain, obviously-correct float64 versions of the eviction stages of
 // docs/algorithms.md, written independently of include/kvevict/ so that the
 // optimised library can be tested against it. Slow on purpose: every top-k is a full
-// std::sort with the spec's deterministic order (section 2.7).
+// std::sort with the spec's deterministic order (docs/algorithms.md#ties).
 //
 // Conventions: all tensors are std::vector<double>, row-major, with explicit dimensions.
 //   q      [H][w][d]     window queries (post-RoPE)
@@ -47,7 +47,7 @@ struct Entry {
   std::int64_t head;  // KV head
 };
 
-// Section 2.7: score descending; exact ties go to the higher token position first,
+// docs/algorithms.md#ties: score descending; exact ties go to the higher token position first,
 // then to the lower KV head.
 inline bool ranks_before(const Entry& a, const Entry& b) {
   if (a.score != b.score) return a.score > b.score;
@@ -55,7 +55,7 @@ inline bool ranks_before(const Entry& a, const Entry& b) {
   return a.head < b.head;
 }
 
-// The first k entries in the 2.7 order.
+// The first k entries in the docs/algorithms.md#ties order.
 inline std::vector<Entry> top_k(std::vector<Entry> entries, std::int64_t k) {
   assert(k >= 0 && sz(k) <= entries.size());
   std::sort(entries.begin(), entries.end(), ranks_before);
@@ -74,7 +74,7 @@ inline void assert_finite(const std::vector<double>& x) {
   }
 }
 
-// Section 2.5 (reference): scores [Hkv][P] padded on the right with w copies of the maximum
+// docs/algorithms.md#allocation (reference): scores [Hkv][P] padded on the right with w copies of the maximum
 // of the whole layer's [Hkv][P] tensor. Returns [Hkv][L].
 inline std::vector<double> pad_window_with_layer_max(const std::vector<double>& scores, int Hkv, int w, int L) {
   const int P = L - w;
@@ -98,7 +98,7 @@ inline double round_half_even(double x) {
 inline void check_selection_args(const std::vector<double>& scores, int Hkv, int w, int L, std::int64_t n_kept) {
   assert(Hkv >= 1);
   assert(w >= 1 && w < L);             // 1 <= w < L, so P >= 1
-  assert(n_kept >= 1 && n_kept <= L);  // section 2.7: n_kept < 1 or n_kept > L is an error
+  assert(n_kept >= 1 && n_kept <= L);  // docs/algorithms.md#ties: n_kept < 1 or n_kept > L is an error
   assert(scores.size() == sz(Hkv) * sz(L - w));
   assert_finite(scores);  // the DBL_MAX safeguard of adakv must outrank every real score
   (void)scores;
@@ -111,7 +111,7 @@ inline void check_selection_args(const std::vector<double>& scores, int Hkv, int
 }  // namespace detail
 
 // ---------------------------------------------------------------------------------------------
-// Section 2.1: window attention. Returns full softmax rows attn [H][w][L].
+// docs/algorithms.md#window-attention: window attention. Returns full softmax rows attn [H][w][L].
 // logits[i][j] = q[h][i] . k[h / G][j] / sqrt(d); row i sits at absolute position L - w + i and
 // masks keys j > L - w + i (masked entries are exactly 0). Softmax in double, row max subtracted.
 inline std::vector<double> window_attention(const std::vector<double>& q, const std::vector<double>& k, int H, int Hkv,
@@ -153,7 +153,7 @@ inline std::vector<double> window_attention(const std::vector<double>& q, const 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Section 2.2: 1-D pooling along tokens, kernel odd, stride 1, padding kernel/2.
+// docs/algorithms.md#pooling: 1-D pooling along tokens, kernel odd, stride 1, padding kernel/2.
 // avg: sum of the in-range neighbours divided by kernel (padding counts as zeros, count_include_pad);
 // max: max over the in-range neighbours.
 inline std::vector<double> pool1d(const std::vector<double>& x, int kernel, Pool pool) {
@@ -179,7 +179,7 @@ inline std::vector<double> pool1d(const std::vector<double>& x, int kernel, Pool
 }
 
 // ---------------------------------------------------------------------------------------------
-// Section 2.3, mean aggregation (SnapKV / AdaKV / CriticalKV) from full rows attn [H][w][L].
+// docs/algorithms.md#aggregation, mean aggregation (SnapKV / AdaKV / CriticalKV) from full rows attn [H][w][L].
 // A[q] = prefix block [w][P] (no renormalisation), s_q = mean over the w rows, pool(s_q),
 // then s[h] = mean over the G query heads of group h. Returns scores [Hkv][P].
 inline std::vector<double> mean_scores(const std::vector<double>& attn, int H, int Hkv, int w, int L, int kernel,
@@ -206,7 +206,7 @@ inline std::vector<double> mean_scores(const std::vector<double>& attn, int H, i
 }
 
 // ---------------------------------------------------------------------------------------------
-// Section 1: budgets. n_kept = int(L * (1 - cr)) in double, truncated toward zero
+// docs/algorithms.md#budgets: budgets. n_kept = int(L * (1 - cr)) in double, truncated toward zero
 // (L = 1000, cr = 0.8 gives 199); keep ratio: int(L * keep).
 inline std::int64_t n_kept_from_compression_ratio(std::int64_t L, double cr) {
   assert(L >= 0);
@@ -221,8 +221,8 @@ inline std::int64_t n_kept_from_keep_ratio(std::int64_t L, double keep) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Section 2.5 uniform (SnapKV), literally as the reference does it: pad the window with the
-// layer max, then per head the top n_kept of its L entries (2.7 order). With n_kept < w this
+// docs/algorithms.md#allocation, uniform (SnapKV), literally as the reference does it: pad the window with the
+// layer max, then per head the top n_kept of its L entries (docs/algorithms.md#ties order). With n_kept < w this
 // keeps the most recent n_kept window tokens.
 inline Kept snapkv(const std::vector<double>& scores, int Hkv, int w, int L, std::int64_t n_kept) {
   using detail::sz;
@@ -239,9 +239,9 @@ inline Kept snapkv(const std::vector<double>& scores, int Hkv, int w, int L, std
 }
 
 // ---------------------------------------------------------------------------------------------
-// Section 2.5 head-adaptive (kvpress AdaKVPress), literally: pad the window with the layer max;
+// docs/algorithms.md#allocation, head-adaptive (kvpress AdaKVPress), literally: pad the window with the layer max;
 // n_safe = int(n_kept * alpha); each head's top n_safe entries (window included) are set to
-// DBL_MAX; then one top-k of size Hkv * n_kept over the flattened [Hkv * L] scores (2.7 order,
+// DBL_MAX; then one top-k of size Hkv * n_kept over the flattened [Hkv * L] scores (docs/algorithms.md#ties order,
 // ties: higher position, then lower head). Head h keeps its selected entries.
 inline Kept adakv(const std::vector<double>& scores, int Hkv, int w, int L, std::int64_t n_kept, double alpha) {
   using detail::sz;
@@ -267,7 +267,7 @@ inline Kept adakv(const std::vector<double>& scores, int Hkv, int w, int L, std:
 }
 
 // ---------------------------------------------------------------------------------------------
-// Section 2.5 original AdaKV repo variant. If n_kept <= w every head keeps its most recent n_kept
+// docs/algorithms.md#allocation, original AdaKV repo variant. If n_kept <= w every head keeps its most recent n_kept
 // tokens (library convention). Otherwise, with B = n_kept - w:
 //   count_h = head h's share of one flat top-k of size Hkv * B over the [Hkv * P] prefix scores,
 //   b_h     = round_half_even(count_h * (1 - alpha) + floor(alpha * B)) + w,
@@ -306,7 +306,7 @@ inline Kept adakv_original(const std::vector<double>& scores, int Hkv, int w, in
 }
 
 // ---------------------------------------------------------------------------------------------
-// Section 2.5 StreamingLLM: every head keeps its first min(sinks, n_kept) tokens and the most
+// docs/algorithms.md#allocation, StreamingLLM: every head keeps its first min(sinks, n_kept) tokens and the most
 // recent max(0, n_kept - sinks) tokens (disjoint because n_kept <= L).
 inline Kept streamingllm(int Hkv, int L, std::int64_t n_kept, int sinks) {
   using detail::sz;
@@ -325,8 +325,9 @@ inline Kept streamingllm(int Hkv, int L, std::int64_t n_kept, int sinks) {
 }
 
 // =============================================================================================
-// Selectors: value term (2.4), defensive aggregation (2.3), forcing (2.6), CriticalKV,
-// DefensiveKV and Layer-DefensiveKV (2.5 layer-global). Same conventions as above; in addition
+// Selectors: value term (docs/algorithms.md#value-term), defensive aggregation (docs/algorithms.md#aggregation),
+// forcing (docs/algorithms.md#forcing), CriticalKV, DefensiveKV and Layer-DefensiveKV (docs/algorithms.md#allocation
+// layer-global). Same conventions as above; in addition
 //   v      [Hkv][L][d]   values
 //   w_o    [D][H*d]      output projection (PyTorch Linear layout); W_o^q = columns q*d .. q*d+d-1
 //   n      [Hkv][L]      value norms N (only the prefix columns j < P are used by the selectors)
@@ -376,7 +377,8 @@ inline std::int64_t py_int(double x) {
   return static_cast<std::int64_t>(x);
 }
 
-// Per head h of [Hkv][L] values, the top n entries (2.7 order) are set to DBL_MAX; marks them in `safe`.
+// Per head h of [Hkv][L] values, the top n entries (docs/algorithms.md#ties order) are set to DBL_MAX; marks them
+// in `safe`.
 inline void apply_safeguard(std::vector<double>& padded, std::vector<bool>& safe, int Hkv, int L, std::int64_t n_safe) {
   for (int h = 0; h < Hkv; ++h) {
     std::vector<Entry> entries;
@@ -391,7 +393,7 @@ inline void apply_safeguard(std::vector<double>& padded, std::vector<bool>& safe
 }  // namespace detail
 
 // ---------------------------------------------------------------------------------------------
-// Section 2.4: value norms N [Hkv][L], computed directly (no Gram-matrix shortcut):
+// docs/algorithms.md#value-term: value norms N [Hkv][L], computed directly (no Gram-matrix shortcut):
 //   N[q][j] = || V[q/G][j, :] (W_o^q)^T ||_p over the D output dims, out[r] = sum_c V[j][c] * W_o[r][q*d + c];
 //   N[h][j] = mean over the G query heads of group h. p = 1 or 2.
 inline std::vector<double> value_norms(const std::vector<double>& v, const std::vector<double>& w_o, int H, int Hkv,
@@ -425,7 +427,8 @@ inline std::vector<double> value_norms(const std::vector<double>& v, const std::
 }
 
 // ---------------------------------------------------------------------------------------------
-// Section 2.3, defensive aggregation (DefensiveKV) from full rows attn [H][w][L]. Returns M [Hkv][P].
+// Defensive aggregation (DefensiveKV, docs/algorithms.md#aggregation) from full rows attn [H][w][L].
+// Returns M [Hkv][P].
 //   1. R[q][i] = pool(A[q][i, :P]) (each window row separately);
 //   2. R[q][i] *= sum(A[q][i, :P]) / sum(R[q][i]), done as (R / sum(R)) * mass like the reference;
 //      a row whose pooled sum is 0 stays all zeros (the reference would produce NaN);
@@ -471,7 +474,8 @@ inline std::vector<double> defensive_scores(const std::vector<double>& attn, int
 }
 
 // ---------------------------------------------------------------------------------------------
-// Section 2.6, cumulative-mass forcing (DefensiveKV). Returns per KV head the forced prefix tokens, ascending.
+// Cumulative-mass forcing (DefensiveKV, docs/algorithms.md#forcing). Returns per KV head the forced prefix tokens,
+// ascending.
 //   p[h][j] = mean over the G heads and w rows of attn[q][i][j] (j < P, unpooled), divided by its sum over j;
 //   order = p descending, ties -> higher position first; c = running sum in that order;
 //   tau = threshold - window_bias; k = first index with c >= tau (0 if never reached; the token at that index
@@ -541,9 +545,9 @@ inline std::vector<std::vector<std::int64_t>> mass_forced(const std::vector<doub
 }
 
 // ---------------------------------------------------------------------------------------------
-// CriticalKV (section 2.6 fraction forcing, kvpress CriticalAdaKVPress / CriticalKVPress), literally.
+// CriticalKV (docs/algorithms.md#forcing fraction forcing, kvpress CriticalAdaKVPress / CriticalKVPress), literally.
 // s = base scores [Hkv][P] (mean_scores), n = value norms [Hkv][L].
-//   padded = s with the window padded with the layer max of s (2.5).
+//   padded = s with the window padded with the layer max of s (docs/algorithms.md#allocation).
 //   adaptive: n_safe = int(n_kept * alpha); per head the top n_safe entries of padded -> DBL_MAX ("safeguard");
 //             b_h = head h's share of one flat top-(Hkv * n_kept) over the safeguarded [Hkv * L] tensor.
 //   uniform (adaptive = false): b_h = n_kept, no safeguard (alpha ignored).
@@ -552,7 +556,7 @@ inline std::vector<std::vector<std::int64_t>> mass_forced(const std::vector<doub
 //            safeguard entry                 -> DBL_MAX (checked first, so a safeguarded window token is DBL_MAX)
 //            window entry j >= P             -> DBL_MAX (corrected) or (layer max of s + eps) * N[h][j] (quirks)
 //            prefix entry j < P              -> (s[h][j] + eps) * N[h][j].
-// Every top-k uses the 2.7 order. Each head keeps exactly b_h.
+// Every top-k uses the docs/algorithms.md#ties order. Each head keeps exactly b_h.
 inline Kept criticalkv(const std::vector<double>& s, const std::vector<double>& n, int Hkv, int w, int L,
                        std::int64_t n_kept, bool adaptive, double alpha, double eps, double ratio, bool quirks) {
   using detail::sz;
@@ -611,8 +615,8 @@ inline Kept criticalkv(const std::vector<double>& s, const std::vector<double>& 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Section 2.4, DefensiveKV value term: s'[h][j] = M[h][j] * N[h][j] / sum over h' of N[h'][j] for j < P
-// (Nn = 0 where that sum is 0); value_term = false returns M unchanged. Returns [Hkv][P].
+// docs/algorithms.md#value-term, DefensiveKV value term: s'[h][j] = M[h][j] * N[h][j] / sum over h' of N[h'][j]
+// for j < P (Nn = 0 where that sum is 0); value_term = false returns M unchanged. Returns [Hkv][P].
 inline std::vector<double> defensive_value_scores(const std::vector<double>& m, const std::vector<double>& n, int Hkv,
                                                   int w, int L, bool value_term) {
   using detail::sz;
@@ -641,7 +645,7 @@ inline std::vector<double> defensive_value_scores(const std::vector<double>& m, 
 //   first, a prefix entry tied with the layer max never displaces them) or the layer max of sprime (quirks);
 //   if alpha > 0: per head top int(n_kept * alpha) entries of x -> DBL_MAX (AdaKV safeguard);
 //   one flat top-k over [Hkv * L] of total = Hkv * n_kept (corrected) or int(L * (1 - cr) * Hkv) (quirks,
-//   evaluated left to right in double, truncated). Ties per 2.7.
+//   evaluated left to right in double, truncated). Ties per docs/algorithms.md#ties.
 inline Kept defensivekv(const std::vector<double>& sprime, const std::vector<std::vector<std::int64_t>>& forced,
                         int Hkv, int w, int L, std::int64_t n_kept, double alpha, bool quirks, double cr) {
   using detail::sz;
@@ -675,10 +679,10 @@ inline Kept defensivekv(const std::vector<double>& sprime, const std::vector<std
 }
 
 // ---------------------------------------------------------------------------------------------
-// Layer-DefensiveKV (2.5 layer-global + 2.6 layer-global forcing). sprime[l] [Hkv][P], forced[l] per KV head
-// (or empty). Per layer, forced and window entries get +infinity (corrected) or that layer's max of sprime[l]
-// (quirks); one top-k over all [NL * Hkv * L] entries of total NL * Hkv * n_kept (corrected) or
-// int(L * (1 - cr) * Hkv * NL) (quirks, left to right in double, truncated).
+// Layer-DefensiveKV (docs/algorithms.md#allocation layer-global + docs/algorithms.md#forcing layer-global forcing).
+// sprime[l] [Hkv][P], forced[l] per KV head (or empty). Per layer, forced and window entries get +infinity (corrected)
+// or that layer's max of sprime[l] (quirks); one top-k over all [NL * Hkv * L] entries of total NL * Hkv * n_kept
+// (corrected) or int(L * (1 - cr) * Hkv * NL) (quirks, left to right in double, truncated).
 // Ties: score desc, higher position, lower layer, lower head. Returns the kept sets per layer.
 inline std::vector<Kept> layer_defensivekv(const std::vector<std::vector<double>>& sprime,
                                            const std::vector<std::vector<std::vector<std::int64_t>>>& forced, int Hkv,

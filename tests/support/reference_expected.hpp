@@ -1,5 +1,5 @@
-// kvevict reference for Expected Attention (docs/algorithms.md section 2.9), tests only: float64, written from the
-// text with explicit d x d RoPE matrices, as kvpress builds them (R(t) = cos * I + sin * P, averaged over the
+// kvevict reference for Expected Attention (docs/algorithms.md#expected-attention), tests only: float64, written from
+// the text with explicit d x d RoPE matrices, as kvpress builds them (R(t) = cos * I + sin * P, averaged over the
 // future positions), on the ragged layers of tests/support/reference_ragged.hpp (a dense layer is the case where
 // every head holds positions 0 .. L-1).
 #ifndef KVEVICT_TESTS_SUPPORT_REFERENCE_EXPECTED_HPP

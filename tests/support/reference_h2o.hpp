@@ -1,6 +1,7 @@
-// Independent float64 reference for H2O (docs/algorithms.md section 2.10): the attention each entry received, and
+// Independent float64 reference for H2O (docs/algorithms.md#h2o): the attention each entry received, and
 // the heavy-hitter selection with the recent share; plus a whole decoding run under a cap, entry by entry.
-// Written from the text of the section, sharing nothing with the library but the ranking rule of section 2.7.
+// Written from the text of the section, sharing nothing with the library but the ranking rule of
+// docs/algorithms.md#ties.
 #ifndef KVEVICT_TESTS_SUPPORT_REFERENCE_H2O_HPP
 #define KVEVICT_TESTS_SUPPORT_REFERENCE_H2O_HPP
 

@@ -1,17 +1,17 @@
 // kvevict reference implementation of sharing and blocks (tests only).
 //
-// A plain, obviously-correct float64 statement of docs/algorithms.md section 8 "Sharing, blocks and RoPE positions"
+// A plain, obviously-correct float64 statement of docs/algorithms.md#layouts "Sharing, blocks and RoPE positions"
 // (the `share`, `reduce` and `block` layout parameters), on top of the ragged reference
 // tests/support/reference_ragged.hpp. No Eigen, no kvevict headers. Slow on purpose: every top-k is a full std::sort
 // with one total order.
 //
-// What is reused from the ragged reference: the per-(layer, KV head, entry) scoring only, which section 8 leaves
-// unchanged (window attention, mean and defensive aggregation, pooling, floor, value norms, the DefensiveKV value
-// term and the mass forcing with the per-head token n_kept as its cap). Everything section 8 adds is written here:
-// the groups, the reduction over a group, the blocks and the tail, the budgets in blocks, the allocations on blocks
-// and the expansion back to rows.
+// What is reused from the ragged reference: the per-(layer, KV head, entry) scoring only, which
+// docs/algorithms.md#layouts leaves unchanged (window attention, mean and defensive aggregation, pooling, floor, value
+// norms, the DefensiveKV value term and the mass forcing with the per-head token n_kept as its cap). Everything
+// docs/algorithms.md#layouts adds is written here: the groups, the reduction over a group, the blocks and the tail, the
+// budgets in blocks, the allocations on blocks and the expansion back to rows.
 //
-// Pipeline (section 8, for each of the selector's maps):
+// Pipeline (docs/algorithms.md#layouts, for each of the selector's maps):
 //   token map   per (layer, KV head, row): a Cell {tier, score}; tiers forced > window > scored (the ragged ones);
 //   groups      per_head: each (layer, KV head); per_layer: the Hkv heads of a layer; per_model: every head of every
 //               layer. Members hold the same positions (asserted). Members are listed in (layer, head) order.
@@ -42,7 +42,7 @@
 //
 // Output: per layer a ragged::KeptRows (per KV head, kept ROWS ascending), as the ragged reference returns.
 //
-// Readings of section 8 where its text leaves a choice (each one a decision of this reference):
+// Readings of docs/algorithms.md#layouts where its text leaves a choice (each one a decision of this reference):
 //   - per_model needs one n_kept and one window w for every layer (asserted): the members hold the same entries,
 //     so one budget resolves to one n_kept, and the policy has one window.
 //   - A block's mean is taken over the group's reduced row scores (reduce the group first, then the block), both
@@ -54,11 +54,11 @@
 //   - Original AdaKV: a group's window is its LAST w_b blocks (not its window-tier blocks: with unequal tails a
 //     group may have fewer window-tier blocks than w_b), its prefix the blocks before them (all scored). With
 //     n_blocks <= w_b a group keeps its last min(n_blocks, U_v) blocks. Like the token rule, the rounded shares can
-//     exceed T (three groups, counts (1, 1, 4), alpha .5): section 8's "never over the budget" does not hold for
-//     this variant.
+//     exceed T (three groups, counts (1, 1, 4), alpha .5): the "never over the budget" of docs/algorithms.md#layouts
+//     does not hold for this variant.
 //   - StreamingLLM's forced rows are min(sinks, min(n_kept, L)) ROWS; a forced block cut by the budget loses to a
-//     more recent forced block (section 2.7), so with B > 1 and a budget of fewer blocks than the sinks span, the
-//     most recent sink-holding block is kept, not block 0.
+//     more recent forced block (docs/algorithms.md#ties), so with B > 1 and a budget of fewer blocks than the sinks
+//     span, the most recent sink-holding block is kept, not block 0.
 //   - CriticalKV: the stage-2 map's window rows are in the window tier (corrected mode); its blocks forced in the
 //     (promoted) allocation map are forced in stage 2. CriticalKV on the original or layer-global allocation is not
 //     modelled (asserted).
@@ -129,7 +129,7 @@ struct MethodParams {
   int sinks = 4;  // StreamingLLM
 };
 
-// The library presets' defaults (docs/algorithms.md section 3) for each method.
+// The library presets' defaults (docs/algorithms.md#presets) for each method.
 inline MethodParams preset(Method m) {
   MethodParams p;
   switch (m) {
@@ -209,9 +209,9 @@ inline LayerMap token_map(const Ragged& scores, const Positions& pos, int w, con
   return map;
 }
 
-// StreamingLLM (section 8, step 4): rows j < min(sinks, min(n_kept, L_h)) forced, every other row scored by its
-// position (recency). No window tier. Built per head; the members of a group hold the same positions, so the
-// group's reduced map is this map whatever the reduction.
+// StreamingLLM (docs/algorithms.md#layouts, step 4): rows j < min(sinks, min(n_kept, L_h)) forced, every other row
+// scored by its position (recency). No window tier. Built per head; the members of a group hold the same positions, so
+// the group's reduced map is this map whatever the reduction.
 inline LayerMap streaming_map(const Positions& pos, std::int64_t n_kept, int sinks) {
   using detail::sz;
   assert(n_kept >= 1 && sinks >= 0);
@@ -273,7 +273,7 @@ inline std::vector<Group> make_groups(Share share, const std::vector<Positions>&
   return groups;
 }
 
-// Section 8 step 1: the group's map row by row.
+// docs/algorithms.md#layouts step 1: the group's map row by row.
 inline std::vector<Cell> reduce_group(const Group& g, const ModelMap& map, Reduce reduce) {
   using detail::sz;
   assert(!g.members.empty());
@@ -341,7 +341,7 @@ struct Blocks {
   std::vector<Block> blocks;  // [U], blocks[u].id == u
 };
 
-// Section 8 step 2 on a group's reduced rows.
+// docs/algorithms.md#layouts step 2 on a group's reduced rows.
 inline Blocks cut_blocks(const Group& g, const std::vector<Cell>& rows, std::int64_t B, Reduce reduce) {
   using detail::sz;
   assert(B >= 1);
@@ -373,7 +373,7 @@ inline Blocks cut_blocks(const Group& g, const std::vector<Cell>& rows, std::int
 }
 
 // =============================================================================================
-// Budgets in blocks (section 8 step 3).
+// Budgets in blocks (docs/algorithms.md#layouts step 3).
 
 struct ScopeBudget {
   std::int64_t tokens = 0;    // T = V n_kept
@@ -416,8 +416,8 @@ inline std::int64_t window_blocks(int w, const std::vector<std::int64_t>& tails,
 }
 
 // =============================================================================================
-// Allocations on blocks (section 8 step 4). A scope is a list of groups' Blocks; the result lists, per group of the
-// scope, its kept block ids ascending.
+// Allocations on blocks (docs/algorithms.md#layouts step 4). A scope is a list of groups' Blocks; the result lists, per
+// group of the scope, its kept block ids ascending.
 
 using KeptBlocks = std::vector<std::vector<std::int64_t>>;
 
@@ -473,8 +473,9 @@ inline KeptBlocks head_adaptive(const std::vector<Blocks>& scope, std::int64_t n
   return flat_top_k(promote_safeguard(scope, n_blocks, alpha), total);
 }
 
-// Original AdaKV on blocks, the token rule of sections 2.5 / 6 with w_b blocks of window and n_blocks per group:
-// the window of group v is its last min(w_b, U_v) blocks, its prefix the blocks [0, max(0, U_v - w_b)).
+// Original AdaKV on blocks, the token rule of docs/algorithms.md#allocation / docs/algorithms.md#ragged with w_b blocks
+// of window and n_blocks per group: the window of group v is its last min(w_b, U_v) blocks, its prefix the blocks [0,
+// max(0, U_v - w_b)).
 //   n_blocks <= w_b: group v keeps its last min(n_blocks, U_v) blocks;
 //   otherwise Bb = n_blocks - w_b; count_v = v's share of one top-k of V Bb over every prefix block of every group;
 //   group v keeps its top min(prefix_v, round_half_even(count_v (1 - alpha) + floor(alpha Bb))) prefix blocks and
@@ -558,7 +559,7 @@ inline KeptBlocks layer_global(std::vector<Blocks> all, std::int64_t total) {
 }
 
 // =============================================================================================
-// Expansion (section 8 step 5).
+// Expansion (docs/algorithms.md#layouts step 5).
 
 // The rows of one group: those of its kept blocks and its tail, ascending.
 inline std::vector<std::int64_t> group_rows(const Blocks& g, const std::vector<std::int64_t>& kept_blocks) {
@@ -633,7 +634,7 @@ inline std::vector<KeptRows> select_maps(const Maps& maps, const std::vector<std
     assert(maps.alloc[l].size() == maps.pos[l].size());
     assert(ap.critical == false || maps.stage2[l].size() == maps.pos[l].size());
     assert(n_kept[l] >= 1 && B <= n_kept[l]);
-    // Section 6: Hkv n_kept <= sum of L_h.
+    // docs/algorithms.md#ragged: Hkv n_kept <= sum of L_h.
     assert(detail::i64(maps.pos[l].size()) * n_kept[l] <= ragged::detail::total_entries(maps.pos[l]));
     if (layout.share == Share::per_model) {
       assert(n_kept[l] == n_kept[0]);  // one budget resolved against the same entries
@@ -834,7 +835,7 @@ inline std::vector<KeptRows> select(Method m, const std::vector<ragged::Layer>& 
   return select_maps(method_maps(m, layers, n_kept, p), n_kept, ap, layout);
 }
 
-// PyramidKV's per-layer n_kept before the cap by what a layer holds (docs/algorithms.md 2.5, "Pyramid"), written
+// PyramidKV's per-layer n_kept before the cap by what a layer holds (docs/algorithms.md#allocation, "Pyramid"), written
 // from the text: the line from hi down to lo, each layer's floor, then one more token to the R layers of largest
 // fractional part (a stable sort keeps the shallower first on ties); the window on top.
 inline std::vector<std::int64_t> pyramid_shares(double beta, std::int64_t n, std::int64_t w, std::int64_t N) {

@@ -1,4 +1,4 @@
-// Float64 reference of the open window (docs/algorithms.md section 2.11), written from the text, on top of the
+// Float64 reference of the open window (docs/algorithms.md#open-window), written from the text, on top of the
 // DefensiveKV reference: the window's own tokens are scored like the prefix and only each head's newest entry is
 // kept first.
 #ifndef KVEVICT_TESTS_SUPPORT_REFERENCE_OPEN_WINDOW_HPP

@@ -1,14 +1,15 @@
 // kvevict reference implementation for ragged layers (tests only).
 //
 // Plain, obviously-correct float64 versions of the eviction policies of docs/algorithms.md on *ragged* layers
-// (section 6): every KV head holds its own number of entries L_h, and entry j of head h sits at the original
-// token position pos_h[j] (strictly increasing in j). Corrected mode only (section 6 refuses `reference_quirks`
-// on ragged layers). Slow on purpose: every top-k is a full std::sort with one total order.
+// (docs/algorithms.md#ragged): every KV head holds its own number of entries L_h, and entry j of head h sits at the
+// original token position pos_h[j] (strictly increasing in j). Corrected mode only (docs/algorithms.md#ragged refuses
+// `reference_quirks` on ragged layers). Slow on purpose: every top-k is a full std::sort with one total order.
 //
 // Per-head stages (window attention, mean and defensive aggregation, pooling, floor, value norms) are the dense
 // ones of tests/support/reference.hpp applied to one KV head's own entries (Hkv = 1, H = G, L = L_h), which is
-// exactly section 6's "as if they were a dense head of length L_h". Everything that crosses heads (window bias,
-// the DefensiveKV normalisation by position, flat and layer-global top-k, rankings by position) is written here.
+// exactly the "as if they were a dense head of length L_h" of docs/algorithms.md#ragged. Everything that crosses heads
+// (window bias, the DefensiveKV normalisation by position, flat and layer-global top-k, rankings by position) is
+// written here.
 //
 // Conventions: tensors are std::vector<double>, row-major, per KV head h (or query head q) where ragged.
 //   Layer::q        [H][w][d]       window queries (post-RoPE); query head q reads KV head q / G, G = H / Hkv
@@ -22,10 +23,10 @@
 //   Positions       [Hkv] of [L_h]  pos_h; L_h = pos[h].size()
 //   KeptRows        [Hkv] of kept ROW indices, ascending (rows, not positions; pos[h][row] gives the position)
 //
-// Ranking (section 2.7 with section 6): tier first (forced > window > scored; in the layer-global step forced and
-// window are one tier, "non-scored alike"), then the score (scored tier only: inside a non-scored tier the score
-// is ignored), then the HIGHER POSITION, then the lower layer, then the lower KV head. Positions are unique within
-// a head, so (position, layer, head) makes the order total.
+// Ranking (docs/algorithms.md#ties with docs/algorithms.md#ragged): tier first (forced > window > scored; in the
+// layer-global step forced and window are one tier, "non-scored alike"), then the score (scored tier only: inside a
+// non-scored tier the score is ignored), then the HIGHER POSITION, then the lower layer, then the lower KV head.
+// Positions are unique within a head, so (position, layer, head) makes the order total.
 #ifndef KVEVICT_TESTS_SUPPORT_REFERENCE_RAGGED_HPP
 #define KVEVICT_TESTS_SUPPORT_REFERENCE_RAGGED_HPP
 
@@ -75,7 +76,7 @@ using kvevict_ref::detail::sz;
 
 inline std::size_t sz(std::size_t v) { return v; }
 
-// Tiers of section 2 (ScoreMap): a higher tier ranks above every entry of a lower tier.
+// Tiers of docs/algorithms.md#stages (ScoreMap): a higher tier ranks above every entry of a lower tier.
 constexpr int kScored = 0;
 constexpr int kWindow = 1;
 constexpr int kForced = 2;
@@ -140,7 +141,7 @@ inline void check_scores(const Ragged& scores, const Positions& pos, int w) {
   (void)scores;
 }
 
-// Layer total Hkv * n_kept must fit the entries (section 6: 1 <= n_kept, Hkv * n_kept <= sum of L_h).
+// Layer total Hkv * n_kept must fit the entries (docs/algorithms.md#ragged: 1 <= n_kept, Hkv * n_kept <= sum of L_h).
 inline void check_n_kept(const Positions& pos, std::int64_t n_kept) {
   assert(n_kept >= 1);
   assert(static_cast<std::int64_t>(pos.size()) * n_kept <= total_entries(pos));
@@ -234,7 +235,8 @@ inline void check_layer(const Layer& l, bool needs_values) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Section 6 budgets: n_kept resolved against L̄ = (sum of L_h) / Hkv in double, truncated toward zero.
+// Budgets on ragged layers (docs/algorithms.md#ragged): n_kept resolved against L̄ = (sum of L_h) / Hkv in double,
+// truncated toward zero.
 inline double mean_length(const std::vector<std::int64_t>& lengths) {
   assert(!lengths.empty());
   std::int64_t sum = 0;
@@ -253,8 +255,9 @@ inline std::int64_t n_kept_compression_ratio(const std::vector<std::int64_t>& le
 }
 
 // ---------------------------------------------------------------------------------------------
-// Section 6 window attention: window query i of query head q sits at entry P_h + i of KV head h = q / G and sees
-// entries 0 .. P_h + i of that head only (softmax over those, in double). Returns Attn [H] of [w][L_h].
+// docs/algorithms.md#ragged, window attention: window query i of query head q sits at entry P_h + i of KV head
+// h = q / G and sees entries 0 .. P_h + i of that head only (softmax over those, in double). Returns Attn [H] of
+// [w][L_h].
 inline Attn window_attention(const Layer& l) {
   using detail::sz;
   check_layer(l, false);
@@ -277,7 +280,8 @@ inline Attn window_attention(const Layer& l) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Section 2.3 mean aggregation per head (pooling along the head's own P_h prefix entries). Returns [Hkv][P_h].
+// Mean aggregation (docs/algorithms.md#aggregation) per head (pooling along the head's own P_h prefix entries).
+// Returns [Hkv][P_h].
 inline Ragged mean_scores(const Attn& attn, int Hkv, int w, int kernel, Pool pool) {
   const int G = static_cast<int>(attn.size()) / Hkv;
   Ragged s;
@@ -289,7 +293,7 @@ inline Ragged mean_scores(const Attn& attn, int Hkv, int w, int kernel, Pool poo
   return s;
 }
 
-// Section 2.8 key-only scores, per head over its own entries. Returns [Hkv][P_h].
+// Key-only scores (docs/algorithms.md#key-only), per head over its own entries. Returns [Hkv][P_h].
 //   K-norm:  score_j = -||k_j||_2.
 //   KeyDiff: a = (1 / L_h) sum over all L_h entries of k_j / ||k_j|| (a zero key adds nothing);
 //            score_j = -(k_j . a) / (||k_j|| ||a||), 0 when either norm is 0.
@@ -336,7 +340,8 @@ inline Ragged key_diff_scores(const Layer& layer) {
   return s;
 }
 
-// Section 2.3 defensive aggregation per head (floor at the mean of the head's own P_h scores). Returns [Hkv][P_h].
+// Defensive aggregation (docs/algorithms.md#aggregation) per head (floor at the mean of the head's own P_h scores).
+// Returns [Hkv][P_h].
 inline Ragged defensive_scores(const Attn& attn, int Hkv, int w, int kernel, Pool pool, bool floor) {
   const int G = static_cast<int>(attn.size()) / Hkv;
   Ragged m;
@@ -348,7 +353,7 @@ inline Ragged defensive_scores(const Attn& attn, int Hkv, int w, int kernel, Poo
   return m;
 }
 
-// Section 2.4 value norms of each head's own rows: N[h][j] = mean over the G query heads q of h of
+// docs/algorithms.md#value-term, value norms of each head's own rows: N[h][j] = mean over the G query heads q of h of
 // || V_h[j] (W_o^q)^T ||_p, p = 1 or 2. Returns [Hkv][L_h].
 inline Ragged value_norms(const Layer& l, int p) {
   using detail::sz;
@@ -370,8 +375,8 @@ inline Ragged value_norms(const Layer& l, int p) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Section 2.6 window bias (corrected), one scalar for the layer: the mean over ALL query heads q and window rows i
-// of the mass row i puts on its own KV head's window entries P_h .. L_h - 1 (h = q / G).
+// docs/algorithms.md#forcing, window bias (corrected), one scalar for the layer: the mean over ALL query heads q and
+// window rows i of the mass row i puts on its own KV head's window entries P_h .. L_h - 1 (h = q / G).
 inline double window_bias(const Attn& attn, int w) {
   using detail::sz;
   assert(!attn.empty() && w >= 1);
@@ -385,7 +390,8 @@ inline double window_bias(const Attn& attn, int w) {
   return bias / (static_cast<double>(attn.size()) * static_cast<double>(w));
 }
 
-// Section 2.6 cumulative-mass forcing (corrected) per head over its own prefix. Returns forced rows per head.
+// Cumulative-mass forcing (docs/algorithms.md#forcing, corrected) per head over its own prefix. Returns forced rows
+// per head.
 //   p[h][j] = mean over the G query heads and w rows of attn[q][i][j] (j < P_h, unpooled), divided by its sum;
 //   order = p descending, ties -> higher position (= higher row inside one head); c = running sum;
 //   tau = threshold - window_bias; k = first index with c >= tau (the entry there is not forced), 0 if never
@@ -434,9 +440,9 @@ inline KeptRows mass_forced(const Attn& attn, int Hkv, int w, double threshold, 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Section 6 DefensiveKV value term: s'[h][j] = M[h][j] * (N[h][j] / S), S = the sum of N[h'][j'] over the KV heads
-// h' (ascending) whose PREFIX holds an entry j' with pos[h'][j'] == pos[h][j] (h itself included; a window entry
-// at that position does not count); s' = 0 where S = 0. value_term = false returns M. m [Hkv][P_h],
+// docs/algorithms.md#ragged, DefensiveKV value term: s'[h][j] = M[h][j] * (N[h][j] / S), S = the sum of N[h'][j'] over
+// the KV heads h' (ascending) whose PREFIX holds an entry j' with pos[h'][j'] == pos[h][j] (h itself included; a window
+// entry at that position does not count); s' = 0 where S = 0. value_term = false returns M. m [Hkv][P_h],
 // n [Hkv][L_h]; returns [Hkv][P_h].
 inline Ragged defensive_value_scores(const Ragged& m, const Ragged& n, const Positions& pos, int w, bool value_term) {
   using detail::sz;
@@ -461,8 +467,8 @@ inline Ragged defensive_value_scores(const Ragged& m, const Ragged& n, const Pos
 // =============================================================================================
 // Selections from scores (the functions the tests can feed with hand-made ragged scores).
 
-// Section 6 uniform (SnapKV): b_h = min(n_kept, L_h); head h keeps its top b_h entries (window tier first, then
-// score, then higher position). With n_kept <= w this is its last n_kept entries.
+// docs/algorithms.md#ragged, uniform (SnapKV): b_h = min(n_kept, L_h); head h keeps its top b_h entries (window tier
+// first, then score, then higher position). With n_kept <= w this is its last n_kept entries.
 inline KeptRows snapkv(const Ragged& scores, const Positions& pos, int w, std::int64_t n_kept) {
   detail::check_scores(scores, pos, w);
   detail::check_n_kept(pos, n_kept);
@@ -475,8 +481,9 @@ inline KeptRows snapkv(const Ragged& scores, const Positions& pos, int w, std::i
   return kept;
 }
 
-// Section 6 head-adaptive, kvpress variant (AdaKV): each head's top min(int(n_kept * alpha), L_h) entries (window
-// ranks above scored) go to the forced tier; then one flat top-k of Hkv * n_kept over every entry of every head.
+// docs/algorithms.md#ragged, head-adaptive, kvpress variant (AdaKV): each head's top min(int(n_kept * alpha), L_h)
+// entries (window ranks above scored) go to the forced tier; then one flat top-k of Hkv * n_kept over every entry of
+// every head.
 inline KeptRows adakv(const Ragged& scores, const Positions& pos, int w, std::int64_t n_kept, double alpha) {
   detail::check_scores(scores, pos, w);
   detail::check_n_kept(pos, n_kept);
@@ -490,9 +497,9 @@ inline KeptRows adakv(const Ragged& scores, const Positions& pos, int w, std::in
   return detail::flat_top_k(per_head, static_cast<std::int64_t>(pos.size()) * n_kept);
 }
 
-// Section 6 head-adaptive, original AdaKV repository. n_kept <= w: each head keeps its last n_kept entries.
-// Otherwise B = n_kept - w; count_h = head h's share of one flat top-k of Hkv * B over all prefix entries (score,
-// higher position, lower head); head h keeps its top min(P_h, round_half_even(count_h (1 - alpha) +
+// docs/algorithms.md#ragged, head-adaptive, original AdaKV repository. n_kept <= w: each head keeps its last n_kept
+// entries. Otherwise B = n_kept - w; count_h = head h's share of one flat top-k of Hkv * B over all prefix entries
+// (score, higher position, lower head); head h keeps its top min(P_h, round_half_even(count_h (1 - alpha) +
 // floor(alpha B))) prefix entries and its window.
 inline KeptRows adakv_original(const Ragged& scores, const Positions& pos, int w, std::int64_t n_kept, double alpha) {
   using detail::sz;
@@ -529,8 +536,8 @@ inline KeptRows adakv_original(const Ragged& scores, const Positions& pos, int w
   return kept;
 }
 
-// Section 6 StreamingLLM: b_h = min(n_kept, L_h); head h keeps its first min(sinks, b_h) entries and its last
-// b_h - min(sinks, b_h) entries.
+// docs/algorithms.md#ragged, StreamingLLM: b_h = min(n_kept, L_h); head h keeps its first min(sinks, b_h) entries and
+// its last b_h - min(sinks, b_h) entries.
 inline KeptRows streamingllm(const std::vector<std::int64_t>& lengths, std::int64_t n_kept, int sinks) {
   assert(!lengths.empty());
   assert(n_kept >= 1 && sinks >= 0);
@@ -548,7 +555,7 @@ inline KeptRows streamingllm(const std::vector<std::int64_t>& lengths, std::int6
   return kept;
 }
 
-// Section 2.6 CriticalKV inside each head's b_h. s [Hkv][P_h] mean scores, n [Hkv][L_h] value norms.
+// docs/algorithms.md#forcing, CriticalKV inside each head's b_h. s [Hkv][P_h] mean scores, n [Hkv][L_h] value norms.
 //   adaptive: the AdaKV (kvpress) allocation of adakv() with its safeguard; b_h = head h's share.
 //   uniform (adaptive = false): b_h = min(n_kept, L_h), no safeguard (alpha ignored).
 //   stage 1: head h's top int(b_h * ratio) entries by (safeguard > window > s, higher position);
@@ -624,10 +631,11 @@ inline KeptRows defensivekv(const Ragged& sprime, const KeptRows& forced, const 
   return detail::flat_top_k(per_head, static_cast<std::int64_t>(pos.size()) * n_kept);
 }
 
-// Layer-DefensiveKV (section 2.5 layer-global with section 6). Per layer l: sprime[l] [Hkv_l][P_h], forced[l]
-// (or forced empty: none), pos[l], w[l], n_kept[l]. Forced and window entries of every layer form one tier above
-// every score (ranked among themselves by position alike); one top-k over every entry of every layer of total
-// sum_l Hkv_l * n_kept_l; ties: score, higher position, lower layer, lower head. Returns kept rows per layer.
+// Layer-DefensiveKV (docs/algorithms.md#allocation layer-global with docs/algorithms.md#ragged). Per layer l: sprime[l]
+// [Hkv_l][P_h], forced[l] (or forced empty: none), pos[l], w[l], n_kept[l]. Forced and window entries of every layer
+// form one tier above every score (ranked among themselves by position alike); one top-k over every entry of every
+// layer of total sum_l Hkv_l * n_kept_l; ties: score, higher position, lower layer, lower head. Returns kept rows per
+// layer.
 inline std::vector<KeptRows> layer_defensivekv(const std::vector<Ragged>& sprime, const std::vector<KeptRows>& forced,
                                                const std::vector<Positions>& pos, const std::vector<int>& w,
                                                const std::vector<std::int64_t>& n_kept) {

@@ -4,7 +4,7 @@
 // The expectations are the reference's functions, called the way the reference code calls them: single-layer
 // DefensiveKV keeps the mass-forced tokens and the window strictly first in the corrected mode, and gives them the
 // layer maximum of s' under reference_quirks, where a more recent scored token that ties that maximum can displace a
-// forced one (docs/algorithms.md section 2.6).
+// forced one (docs/algorithms.md#forcing).
 #ifndef KVEVICT_TESTS_SUPPORT_SELECTOR_INPUTS_HPP
 #define KVEVICT_TESTS_SUPPORT_SELECTOR_INPUTS_HPP
 
@@ -298,7 +298,8 @@ inline Kept critical_stages(const std::vector<double>& s_scores, const std::vect
     const std::int64_t b = budgets[sz(h)];
     const auto k1 = static_cast<std::int64_t>(static_cast<double>(b) * k.ratio);
     std::vector<bool> taken(sz(L), false);
-    // Stage 1: the top k1 of [row, window at the layer max] in the 2.7 order (score desc, then position desc).
+    // Stage 1: the top k1 of [row, window at the layer max] in the docs/algorithms.md#ties order (score desc, then
+    // position desc).
     std::vector<std::pair<double, int>> e1;
     for (int j = 0; j < L; ++j) e1.push_back({j < P ? row[sz(j)] : layer_max, j});
     std::sort(e1.begin(), e1.end(), [](const auto& a, const auto& c) {

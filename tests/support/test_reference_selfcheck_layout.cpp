@@ -1,4 +1,4 @@
-// Self-check of tests/support/reference_layout.hpp (sharing and blocks, docs/algorithms.md section 8):
+// Self-check of tests/support/reference_layout.hpp (sharing and blocks, docs/algorithms.md#layouts):
 //   1. the pieces on hand-made numbers: the reduction over a group, the cut into blocks and the tail, the budgets in
 //      blocks and the original AdaKV window in blocks;
 //   2. hand-worked selections: per_layer max vs mean on a 2-head layer, blocks of 4 on L = 10 (the tail, a block
@@ -9,7 +9,7 @@
 //   4. invariants on random models for every share, reduce, block and method: the heads of a group keep identical
 //      rows, every kept set is a union of whole blocks plus the tail, the totals per scope are within the budget (and
 //      exact where the allocation is a flat top-k or uniform), and a few identities between the layouts.
-// Every expected number below is derived in the comments from docs/algorithms.md section 8.
+// Every expected number below is derived in the comments from docs/algorithms.md#layouts.
 #include "support/reference_layout.hpp"
 
 #include <catch2/catch.hpp>
@@ -165,7 +165,7 @@ TEST_CASE("layout reference: cutting a group into blocks of 4 leaves a tail of 2
   CHECK(ly::group_rows(b3, {0, 2}) == Rows{0, 1, 2, 6, 7, 8, 9});
 }
 
-// Section 8 step 3 on numbers.
+// docs/algorithms.md#layouts step 3 on numbers.
 TEST_CASE("layout reference: budgets in blocks round down and never exceed the tokens", "[reference]") {
   // One group, n_kept 7, tail 2, B = 4: T = 7, total floor(5 / 4) = 1, n_blocks 1 (kept tokens 2 + 4 = 6 <= 7).
   ly::ScopeBudget b = ly::scope_budget(7, {2}, 4);
@@ -363,7 +363,7 @@ TEST_CASE("layout reference: the layer-global step with per_layer sharing", "[re
 //   B = 3, n_kept 8: U = 3, r = 1, total floor(7 / 3) = 2. sinks 4: rows 0..3 force blocks 0 and 1 -> {0..5, 9};
 //   sinks 1: block 0, then the most recent scored block 2 -> {0, 1, 2, 6, 7, 8, 9}; sinks 0: blocks 2, 1 -> {3..9}.
 //   B = 3, n_kept 4, sinks 4: total floor(3 / 3) = 1 place for two forced blocks: the more recent (block 1, rows
-//   3-5) wins, as any forced block cut by the budget (section 2.7) -> {3, 4, 5, 9}.
+//   3-5) wins, as any forced block cut by the budget (docs/algorithms.md#ties) -> {3, 4, 5, 9}.
 TEST_CASE("layout reference: StreamingLLM keeps its sinks and the most recent blocks", "[reference]") {
   auto run = [](int Hkv, std::int64_t n_kept, int sinks, std::int64_t B, Share share) {
     ly::Maps m;
@@ -384,7 +384,7 @@ TEST_CASE("layout reference: StreamingLLM keeps its sinks and the most recent bl
   const Model two = {{cat(iota(0, 3), {8, 9}), cat(iota(0, 3), {8, 9})}};
   CHECK(run(2, 8, 4, 4, Share::per_head) == two);
   CHECK(run(2, 8, 4, 4, Share::per_layer) == two);
-  // B = 1 is section 1's rule: the first min(sinks, n_kept) tokens and the most recent.
+  // B = 1 is the rule of docs/algorithms.md#allocation: the first min(sinks, n_kept) tokens and the most recent.
   CHECK(run(1, 6, 4, 1, Share::per_head) == Model{{{0, 1, 2, 3, 8, 9}}});
   CHECK(run(1, 3, 4, 1, Share::per_head) == Model{{{0, 1, 2}}});
   CHECK(run(1, 3, 0, 1, Share::per_head) == Model{{{7, 8, 9}}});
@@ -445,8 +445,9 @@ TEST_CASE("layout reference: original AdaKV on blocks with the window in blocks"
         Model{{cat({0, 1}, win), cat({0, 1}, win)}});
   CHECK(ly::select_maps(m, {4}, alloc(Allocation::adakv_original, 0.5), b2) == Model{{win, win}});
 
-  // The rounded shares can exceed the budget, in tokens as in blocks (so section 8's "never over the budget" does
-  // not hold for this variant). Three heads, L = 6, w = 1, n_kept 3, alpha .5, B = 1: Bb = 2, floor(.5 * 2) = 1.
+  // The rounded shares can exceed the budget, in tokens as in blocks (so the "never over the budget" of
+  // docs/algorithms.md#layouts does not hold for this variant). Three heads, L = 6, w = 1, n_kept 3, alpha .5, B = 1:
+  // Bb = 2, floor(.5 * 2) = 1.
   //   h0 [.875 .0625 x4], h1 [.75 .0625 x4], h2 [.5 x4 .0625]: the top 6 prefix entries are .875, .75 and h2's four
   //   .5 -> counts (1, 1, 4) -> round(1.5) + 1 = 2 + 1, 2 + 1 and round(3) + 1 = 3 + 1: 10 tokens for a budget of 9.
   //   h0, h1: .875 / .75 and the tie at .0625 to the most recent row 4; h2: the .5s at rows 3, 2, 1.

@@ -1,5 +1,4 @@
-// Self-check of tests/support/reference_ragged.hpp (ragged layers with original positions, docs/algorithms.md
-// section 6):
+// Self-check of tests/support/reference_ragged.hpp (ragged layers with original positions, docs/algorithms.md#ragged):
 //   1. a ragged layer whose heads all hold L entries at positions 0 .. L-1 (or at any positions given by one
 //      strictly increasing map shared by all heads) selects exactly what the dense reference selects
 //      (tests/support/reference.hpp), on seeded random layers, including tie-heavy ones;
@@ -508,8 +507,8 @@ TEST_CASE("ragged reference: DefensiveKV normalises value norms by position", "[
   CHECK(rg::defensivekv(sp, {}, pos, 1, 2, 0.0) == KeptRows{{1, 2, 3}, {0, 3}, {3}});
   // Head 2's row 2 forced (its mass): it ranks above every score; 3 windows + 1 forced + .45 and .225.
   CHECK(rg::defensivekv(sp, {{}, {}, {2}}, pos, 1, 2, 0.0) == KeptRows{{2, 3}, {0, 3}, {2, 3}});
-  // Dense positions (rows = positions) turn it back into the column sum of 2.4: every position j < 3 held by all
-  // three prefixes; row 2: N 3 + 1 + 4 = 8.
+  // Dense positions (rows = positions) turn it back into the column sum of docs/algorithms.md#value-term: every
+  // position j < 3 held by all three prefixes; row 2: N 3 + 1 + 4 = 8.
   const Positions dense = {{0, 1, 2, 3}, {0, 1, 2, 3}, {0, 1, 2, 3}};
   const Ragged spd = rg::defensive_value_scores(m, n, dense, 1, true);
   CHECK_THAT(spd[0], near({0.2 * 1 / 5, 0.4 * 2 / 3, 0.6 * 3 / 8}));
@@ -586,7 +585,7 @@ TEST_CASE("ragged reference: the layer-global step ranks by position, then layer
 }
 
 // ---------------------------------------------------------------------------------------------
-// Identities of section 2 that must hold on ragged layers too.
+// Identities of docs/algorithms.md#stages that must hold on ragged layers too.
 TEST_CASE("ragged reference: budgets, windows and compositions on random ragged layers", "[reference]") {
   std::mt19937 rng(555u);
   for (int rep = 0; rep < 16; ++rep) {

@@ -1,6 +1,6 @@
 // Self-check of the selector part of tests/support/reference.hpp (value term, defensive aggregation,
 // cumulative-mass forcing, CriticalKV, DefensiveKV, Layer-DefensiveKV) on small hand-worked examples.
-// Every expected number below was computed by hand from docs/algorithms.md (sections 2.3 - 2.7).
+// Every expected number below was computed by hand from docs/algorithms.md#aggregation to docs/algorithms.md#ties.
 #include "support/reference.hpp"
 
 #include <catch2/catch.hpp>
@@ -28,7 +28,7 @@ auto near(const std::vector<double>& want, double tol = 1e-12) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// 2.4 value norms. d = 2, D = 2, H = 2 query heads. W_o [D][H*d]:
+// docs/algorithms.md#value-term: value norms. d = 2, D = 2, H = 2 query heads. W_o [D][H*d]:
 //   W_o = [[1, 0, 2, -1],
 //          [0, 1, 1,  3]]   -> W_o^0 = [[1,0],[0,1]] (identity), W_o^1 = [[2,-1],[1,3]].
 // out[r] = sum_c v[c] * W_o^q[r][c].
@@ -55,7 +55,8 @@ TEST_CASE("reference value_norms: L1 and L2 through W_o", "[reference]") {
 }
 
 // ---------------------------------------------------------------------------------------------
-// 2.3 defensive aggregation. H = 4, Hkv = 2 (G = 2), w = 2, L = 6, P = 4, avg pooling k = 3.
+// Defensive aggregation (docs/algorithms.md#aggregation). H = 4, Hkv = 2 (G = 2), w = 2, L = 6, P = 4, avg pooling
+// k = 3.
 TEST_CASE("reference defensive_scores: renormalised max over heads and rows", "[reference]") {
   const std::vector<double> attn = {
       // q0 (KV 0)
@@ -89,9 +90,9 @@ TEST_CASE("reference defensive_scores: renormalised max over heads and rows", "[
 }
 
 // ---------------------------------------------------------------------------------------------
-// 2.6 cumulative-mass forcing. H = 4, Hkv = 2 (G = 2), w = 4, L = 12, P = 8. Every row of a head is the same;
-// its window mass sits on key 8 (visible to all 4 window rows). Values are multiples of 1/32 so that sums and
-// means are exact and ties in p are exact ties.
+// docs/algorithms.md#forcing: cumulative-mass forcing. H = 4, Hkv = 2 (G = 2), w = 4, L = 12, P = 8. Every row of a
+// head is the same; its window mass sits on key 8 (visible to all 4 window rows). Values are multiples of 1/32 so that
+// sums and means are exact and ties in p are exact ties.
 std::vector<double> mass_attn() {
   const std::vector<std::vector<double>> rows = {
       // q0: prefix 23/32, window 9/32

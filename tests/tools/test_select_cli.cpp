@@ -232,7 +232,7 @@ TEST_CASE("kvevict-select rejects bad input with one clear line and a non-zero e
   }
   SECTION("window that does not match the tensors") {
     fs::copy_file(good, bad, fs::copy_options::overwrite_existing);
-    expect_failure("--policy snapkv --budget 10 --window 4" + io, "--window 4");
+    expect_failure("--policy snapkv --budget 10 --window 4" + io, "window 4 does not match");
   }
   SECTION("usage errors") {
     fs::copy_file(good, bad, fs::copy_options::overwrite_existing);

@@ -1,4 +1,4 @@
-// kvevict-select's layout options (docs/algorithms.md section 8): --share head|layer|model, --reduce max|mean and
+// kvevict-select's layout options (docs/algorithms.md#layouts): --share head|layer|model, --reduce max|mean and
 // --block B, recorded in the output's metadata, and layers.{i}.kept_blocks / kept_block_offsets in block mode. The
 // CLI must select exactly what the library's select_layers selects on the same LayerInputs built here in C++, for
 // every catalogue policy, sharing, reduction and block size; bad values are usage errors, and the library's refusals

@@ -1,4 +1,4 @@
-// kvevict-select on quantized caches (docs/algorithms.md section 9): keys and values stored as I8, F8_E4M3 or
+// kvevict-select on quantized caches (docs/algorithms.md#quantized): keys and values stored as I8, F8_E4M3 or
 // F8_E5M2 with an optional 'layers.{i}.keys_scale' / 'values_scale' (F32: one factor, one per token or one per KV
 // head and token) select exactly what F32 keys and values holding the dequantized values float(code) * factor
 // select, at both precisions, for every kind of policy; bad scales are one clear line.
@@ -174,13 +174,14 @@ TEST_CASE("kvevict-select refuses bad quantized caches and scales with one clear
   SECTION("a scale on float keys") {
     expect_failure(
         {qw, st::make_tensor("layers.0.keys", {Hkv, L, d}, keys.dequantized, st::dtype::F32), scale({}, {2})},
-        "expected no scale for a floating cache");
+        "layers.0.keys_scale is given and the cache is f32; expected scales only for quantized caches");
   }
   SECTION("a scale of the wrong dtype") {
-    expect_failure({qw, keys.codes, scale({}, {2}, st::dtype::F16)}, "'layers.0.keys_scale' has dtype F16");
+    expect_failure({qw, keys.codes, scale({}, {2}, st::dtype::F16)}, "layers.0.keys_scale is f16; expected F32");
   }
   SECTION("a scale of the wrong shape") {
-    expect_failure({qw, keys.codes, scale({L + 1}, std::vector<double>(L + 1, 1.0))}, "has shape [21]; expected F32");
+    expect_failure({qw, keys.codes, scale({L + 1}, std::vector<double>(L + 1, 1.0))},
+                   "layers.0.keys_scale has shape [21]; expected []");
     expect_failure({qw, keys.codes, scale({2, L}, std::vector<double>(2 * L, 1.0))}, "[1, 20] (one per KV head");
   }
   SECTION("a non-finite scale") {
@@ -193,7 +194,7 @@ TEST_CASE("kvevict-select refuses bad quantized caches and scales with one clear
   }
   SECTION("quantized queries are not a cache") {
     st::tensor_out q8{"layers.0.q_window", st::dtype::I8, {H, w, d}, std::vector<unsigned char>(H * w * d, 1)};
-    expect_failure({q8, keys.codes}, "'layers.0.q_window' has dtype I8; expected F64, F32, F16 or BF16");
+    expect_failure({q8, keys.codes}, "layers.0.q_window is i8: quantized codes are for the keys and values only");
   }
 }
 

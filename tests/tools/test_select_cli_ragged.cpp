@@ -1,4 +1,4 @@
-// kvevict-select on ragged layers (docs/algorithms.md section 6): layers.{i}.lengths and layers.{i}.positions in,
+// kvevict-select on ragged layers (docs/algorithms.md#ragged): layers.{i}.lengths and layers.{i}.positions in,
 // layers.{i}.kept_positions out. The CLI must select exactly what the library selects on the same LayerInputs built
 // here in C++ (keys and values padded with NaN beyond each head's entries, positions with gaps), for every policy,
 // budget form, precision and observation kind; at --precision f64 also what the float64 ragged reference selects;

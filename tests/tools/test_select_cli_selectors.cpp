@@ -320,9 +320,8 @@ TEST_CASE("kvevict-select value-aware policies reject bad input with one clear l
     c.w_o = false;
     write_model(bad, layers, c);
     for (const char* p : {"criticalkv", "criticalkv-snapkv", "defensivekv", "layer-defensivekv"})
-      expect_failure(
-          std::string("--policy ") + p + " --budget 12" + io(bad, out), 1,
-          "missing tensor 'layers.0.w_o' [hidden, heads * head_dim]; the " + std::string(p) + " policy needs it");
+      expect_failure(std::string("--policy ") + p + " --budget 12" + io(bad, out), 1,
+                     "layers.0.w_o [hidden, heads * head_dim] is missing; the " + std::string(p) + " policy needs it");
     expect_failure("--base layer --selector critical --budget 12" + io(bad, out), 1, "layers.0.w_o");
     expect_failure("--base snapkv --selector defensive --budget 12" + io(bad, out), 1, "layers.0.w_o");
     // The ablation reads neither values nor W_o.
@@ -346,7 +345,7 @@ TEST_CASE("kvevict-select value-aware policies reject bad input with one clear l
     c.values = false;
     write_model(bad, layers, c);
     expect_failure("--policy criticalkv --budget 12" + io(bad, out), 1,
-                   "missing tensor 'layers.0.values' [kv_heads, tokens, head_dim]; the criticalkv policy needs it");
+                   "layers.0.values [kv_heads, tokens, head_dim] is missing; the criticalkv policy needs it");
     expect_failure("--policy defensivekv --compression-ratio 0.5 --reference-quirks" + io(bad, out), 1,
                    "layers.0.values");
   }
@@ -360,11 +359,11 @@ TEST_CASE("kvevict-select value-aware policies reject bad input with one clear l
                                 st::dtype::F32));
     st::write(bad.string(), t);
     expect_failure("--policy defensivekv --budget 12" + io(bad, out), 1,
-                   "tensor 'layers.0.w_o' has shape [8, 24]; expected [hidden, 32] (heads * head_dim)");
+                   "layers.0.w_o has shape [8, 24]; expected [hidden, 32] (heads * head_dim)");
     t.back() =
         st::make_tensor("layers.0.w_o", {192}, std::vector<double>(x.w_o.begin(), x.w_o.begin() + 192), st::dtype::F32);
     st::write(bad.string(), t);
-    expect_failure("--policy criticalkv --budget 12" + io(bad, out), 1, "tensor 'layers.0.w_o' has rank 1");
+    expect_failure("--policy criticalkv --budget 12" + io(bad, out), 1, "layers.0.w_o has rank 1");
   }
   SECTION("NaN in values") {
     std::vector<Layer> poisoned = layers;

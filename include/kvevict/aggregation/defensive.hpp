@@ -1,6 +1,6 @@
 #pragma once
-/// Stage 2.3, defensive aggregation (DefensiveKV, arXiv 2510.13334): worst case over window queries and the GQA
-/// group instead of the mean, with an adaptive prior floor.
+/// Stage "aggregation" (docs/algorithms.md#aggregation), defensive aggregation (DefensiveKV, arXiv 2510.13334): worst
+/// case over window queries and the GQA group instead of the mean, with an adaptive prior floor.
 
 #include "kvevict/aggregation/pooling.hpp"
 #include "kvevict/observation/window_attention.hpp"
@@ -12,7 +12,7 @@ namespace kvevict::extend {
 ///                a row with no pooled mass stays 0)
 ///   M[h][j]   = max over the G query heads of h and the w rows of R[q][i, j]
 ///   floor:      M[h][j] = max(M[h][j], mean_j M[h][j])   (skipped when `floor` is false, for ablations)
-/// With `score_window` (an open window, docs/algorithms.md section 2.11) M also covers head h's own window
+/// With `score_window` (an open window, docs/algorithms.md#open-window) M also covers head h's own window
 /// columns P_h .. L_h - 1: the max over the group and rows of the unpooled A[q][i, j] (causal: column P_h + t is
 /// seen by rows t .. w - 1), floored at the same prefix mean; M is then [Hkv, L] instead of [Hkv, P].
 template <class S>
@@ -45,7 +45,7 @@ class DefensiveAggregator {
   }
   RowMatrix<S> finish() {
     if (floor_)
-      for (Index h = 0; h < shape_.kv_heads; ++h) {  // over the head's own P_h scores (section 6)
+      for (Index h = 0; h < shape_.kv_heads; ++h) {  // over the head's own P_h scores (docs/algorithms.md#ragged)
         if (shape_.prefix_of(h) == 0) continue;
         const S mean = scores_.row(h).head(shape_.prefix_of(h)).mean();
         auto own = scores_.row(h).head(score_window_ ? shape_.length(h) : shape_.prefix_of(h));

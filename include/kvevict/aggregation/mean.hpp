@@ -1,5 +1,6 @@
 #pragma once
-/// Stage 2.3, mean aggregation (SnapKV, AdaKV, CriticalKV): mean over window rows, pool, mean over the GQA group.
+/// Stage "aggregation" (docs/algorithms.md#aggregation), mean aggregation (SnapKV, AdaKV, CriticalKV): mean over window
+/// rows, pool, mean over the GQA group.
 
 #include <vector>
 
@@ -10,7 +11,7 @@ namespace kvevict::extend {
 
 /// Accumulates scores [Hkv, P] of the prefix tokens one query head at a time:
 ///   s_q = mean_i A[q][i, :P]; s_q = pool(s_q); s[h] = mean over the G query heads of group h.
-/// On a ragged layer head h's row holds its P_h scores, then zeros (docs/algorithms.md section 6).
+/// On a ragged layer head h's row holds its P_h scores, then zeros (docs/algorithms.md#ragged).
 template <class S>
 class MeanAggregator {
  public:

@@ -1,5 +1,5 @@
 #pragma once
-/// Stage 2.2: 1-D pooling along the token axis (kernel k odd, stride 1, padding k/2).
+/// Stage "pooling" (docs/algorithms.md#pooling): 1-D pooling along the tokens (kernel k odd, stride 1, padding k/2).
 
 #include <algorithm>
 

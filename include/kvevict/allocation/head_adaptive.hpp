@@ -1,6 +1,6 @@
 #pragma once
-/// Stage 2.5, head-adaptive allocation (Ada-KV, arXiv 2407.11550): the layer's budget is shared across KV heads
-/// by one top-k over all of them, with a per-head safeguard.
+/// Stage "allocation" (docs/algorithms.md#allocation), head-adaptive allocation (Ada-KV, arXiv 2407.11550): the layer's
+/// budget is shared across KV heads by one top-k over all of them, with a per-head safeguard.
 
 #include <algorithm>
 #include <cmath>
@@ -63,7 +63,8 @@ struct HeadAdaptiveAllocation {
     for (Index h = 0; h < scores.heads; ++h) {  // std::nearbyint rounds half to even in the default rounding mode
       Index& count = b[static_cast<std::size_t>(h)];
       count = static_cast<Index>(std::nearbyint(static_cast<double>(count) * (1.0 - params_.alpha) + floor_share)) + w;
-      count = std::min(count, scores.length(h));  // a ragged head never keeps more than it holds (section 6)
+      // A ragged head never keeps more than it holds (docs/algorithms.md#ragged).
+      count = std::min(count, scores.length(h));
     }
     return b;
   }

@@ -37,9 +37,9 @@ struct LayerPlace {
 };
 
 /// The budget of one layer of `shape`: n_kept from `budget` (throws unless 1 <= n_kept <= L; on a ragged layer,
-/// resolved against the mean entries per head, docs/algorithms.md section 6), total Hkv * n_kept. With
+/// resolved against the mean entries per head, docs/algorithms.md#ragged), total Hkv * n_kept. With
 /// `shared_across_layers` (a layer-global plan, a scheduled allocation) a token budget is not bounded by the layer: a
-/// layer may hold less than its share (section 7).
+/// layer may hold less than its share (docs/algorithms.md#streaming).
 inline LayerBudget layer_budget(const LayerShape& shape, const Budget& budget, const char* where = "select",
                                 bool shared_across_layers = false, LayerPlace place = {}) {
   LayerBudget b;

@@ -1,6 +1,7 @@
 #pragma once
-/// Stage 2.5, layer-global allocation (Layer-DefensiveKV, arXiv 2510.13334): one top-k over the scores of every
-/// layer of the model decides how many tokens each (layer, KV head) keeps. Needs all layers' scores first.
+/// Stage "allocation" (docs/algorithms.md#allocation), layer-global allocation (Layer-DefensiveKV, arXiv 2510.13334):
+/// one top-k over the scores of every layer of the model decides how many tokens each (layer, KV head) keeps. Needs all
+/// layers' scores first.
 
 #include <algorithm>
 #include <cstdint>
@@ -13,8 +14,8 @@ namespace kvevict::extend {
 
 /// Per-(layer, KV head) budgets from one top-k of `total` entries over all layers' maps. Order: entries above the
 /// scored tier first (forced and window tokens: +infinity, always kept while they fit), then score descending, then
-/// the more recent token (higher original position), the lower layer, the lower KV head (docs/algorithms.md
-/// section 2.7). Linear expected time.
+/// the more recent token (higher original position), the lower layer, the lower KV head (docs/algorithms.md#ties).
+/// Linear expected time.
 template <class S>
 std::vector<std::vector<Index>> allocate_layer_global(const std::vector<const ScoreMap<S>*>& layers, Index total) {
   struct Entry {
@@ -56,7 +57,7 @@ namespace kvevict {
 
 /// The layer-global allocation (Layer-DefensiveKV): one budget for the whole model, distributed by one top-k over
 /// every layer's map (extend::allocate_layer_global). Policy<LayerGlobalAllocation, Selector> (LayerGlobalPolicy)
-/// scores every layer first, then allocates across them (docs/algorithms.md section 2.7).
+/// scores every layer first, then allocates across them (docs/algorithms.md#ties).
 struct LayerGlobalAllocation {
   static constexpr const char* type_name = "LayerGlobalAllocation";
   struct Params {

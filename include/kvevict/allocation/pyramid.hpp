@@ -1,6 +1,7 @@
 #pragma once
-/// Stage 2.5, pyramid allocation (PyramidKV, arXiv 2406.02069): per-layer budgets on a line that decreases with
-/// depth, the model total unchanged; within a layer every KV head keeps the same number (docs/algorithms.md 2.5).
+/// Stage "allocation", pyramid allocation (PyramidKV, arXiv 2406.02069): per-layer budgets on a line that decreases
+/// with depth, the model total unchanged; within a layer every KV head keeps the same number
+/// (docs/algorithms.md#allocation).
 
 #include <algorithm>
 #include <cmath>

@@ -1,5 +1,5 @@
 #pragma once
-/// Stage 2.5, StreamingLLM (arXiv 2309.17453) baseline: positional, no scores.
+/// Stage "allocation" (docs/algorithms.md#allocation), StreamingLLM (arXiv 2309.17453) baseline: positional, no scores.
 
 #include <algorithm>
 #include <cstdint>
@@ -54,7 +54,7 @@ class StreamingLLM {
   }
 
   /// Same as the scored policies' entry point; reads only the keys' shape, lengths and positions (a ragged layer
-  /// keeps b_h = min(n_kept, L_h) per head, sinks first: docs/algorithms.md section 6).
+  /// keeps b_h = min(n_kept, L_h) per head, sinks first: docs/algorithms.md#ragged).
   template <class S = float, class KV, class Q, class W>
   Selection select(const LayerInputs<KV, Q, W>& in, const Budget& budget) const {
     const char* where = "StreamingLLM::select";
@@ -102,8 +102,8 @@ class StreamingLLM {
     return m;
   }
 
-  /// Section 8 on one scope (one layer, or every layer for per_model): the layers' recency maps in units, the
-  /// budget in blocks, the uniform allocation, each group's top blocks, back to one Selection per layer.
+  /// docs/algorithms.md#layouts on one scope (one layer, or every layer for per_model): the layers' recency maps in
+  /// units, the budget in blocks, the uniform allocation, each group's top blocks, back to one Selection per layer.
   std::vector<Selection> select_scope(const std::vector<extend::LayerShape>& shapes, std::int64_t n_kept,
                                       const char* where) const {
     std::vector<extend::ScoreMap<double>> maps;

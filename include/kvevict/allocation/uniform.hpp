@@ -1,5 +1,6 @@
 #pragma once
-/// Stage 2.5, uniform allocation (SnapKV, arXiv 2404.14469): every KV head keeps n_kept tokens.
+/// Stage "allocation" (docs/algorithms.md#allocation), uniform allocation (SnapKV, arXiv 2404.14469): every KV head
+/// keeps n_kept tokens.
 
 #include <algorithm>
 #include <vector>
@@ -11,7 +12,7 @@ namespace kvevict {
 
 /// Uniform allocation: b_h = n_kept for every KV head. With the window in the window tier, each head keeps the
 /// window plus its top (n_kept - w) prefix tokens; with n_kept < w, its most recent n_kept window tokens. On a
-/// ragged layer b_h = min(n_kept, L_h) (docs/algorithms.md section 6).
+/// ragged layer b_h = min(n_kept, L_h) (docs/algorithms.md#ragged).
 struct UniformAllocation {
   static constexpr const char* type_name = "UniformAllocation";
   struct Params {

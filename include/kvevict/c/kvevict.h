@@ -46,7 +46,7 @@ typedef enum kvevict_status {
 
 /* Element types of tensors. Keys and values share one; queries, attention and W_o may each have any of the first
  * four. The last three are the codes of a quantized KV cache (keys and values only), read through keys_scale and
- * values_scale (docs/algorithms.md section 9). */
+ * values_scale (docs/algorithms.md#quantized). */
 typedef enum kvevict_dtype {
   KVEVICT_F32 = 0,
   KVEVICT_F64 = 1,
@@ -80,7 +80,7 @@ typedef struct kvevict_tensor {
  *   values_scale      dequantisation factors, [] (rank 0) or [1] (one factor for the tensor, vLLM's k_scale /
  *                     v_scale), [L] (one per token, shared by the KV heads) or [Hkv, L] (one per KV head and token,
  *                     any strides); absent: 1. Entry j of KV head h holds float(code) * factor, and the selection
- *                     is exactly that of F32 keys and values holding those values (docs/algorithms.md section 9)
+ *                     is exactly that of F32 keys and values holding those values (docs/algorithms.md#quantized)
  * Only what the policy reads needs to be present (kvevict_policy_reads). Fields were added at the end over time
  * (the scales last): start from kvevict_layer_init(). */
 typedef struct kvevict_layer {

@@ -1,5 +1,5 @@
 #pragma once
-/// Budgets (docs/algorithms.md section 1): how many tokens each KV head keeps on average, window included.
+/// Budgets (docs/algorithms.md#budgets): how many tokens each KV head keeps on average, window included.
 
 #include <cmath>
 #include <cstdint>
@@ -45,7 +45,7 @@ class Budget {
                     describe());
     return n;
   }
-  /// The same for a ragged layer of `heads` KV heads holding `entries` in all (docs/algorithms.md section 6):
+  /// The same for a ragged layer of `heads` KV heads holding `entries` in all (docs/algorithms.md#ragged):
   /// resolved against the mean entries per head; throws unless 1 <= n_kept and heads * n_kept <= entries.
   std::int64_t n_kept(Index entries, Index heads, const char* where) const {
     const std::int64_t n = resolve(static_cast<double>(entries) / static_cast<double>(heads));

@@ -50,7 +50,7 @@ void convert_rows(const Src& src, RowMatrix<S>& dst) {
 }
 
 /// dst [rows, cols] = the values of src (a block of rows of one KV head: unit inner stride) in S: quantized storage
-/// dequantized in float, row r times scale(r) (docs/algorithms.md section 9), then widened to S; any other storage
+/// dequantized in float, row r times scale(r) (docs/algorithms.md#quantized), then widened to S; any other storage
 /// converted as it is (convert_rows; `scale` unused).
 template <class S, class Src>
 void read_rows(const Src& src, const RowScale& scale, RowMatrix<S>& dst) {

@@ -29,7 +29,7 @@ using gram_scalar_t = std::conditional_t<std::is_same_v<std::remove_const_t<T>, 
 ///   values    [Hkv, L, head_dim] values (only value-aware selectors read them; may be empty otherwise)
 ///   w_o       [H, D, head_dim]  the output projection W_o [D, H * head_dim] seen per query head (build it with
 ///                               output_projection(); only value-aware selectors read it)
-///   lengths   optional, ragged caches (docs/algorithms.md section 6): [Hkv] entries held by each KV head; head h's
+///   lengths   optional, ragged caches (docs/algorithms.md#ragged): [Hkv] entries held by each KV head; head h's
 ///             entries are rows [0, lengths[h]) of keys and values, the rows beyond are spare capacity. Null: every
 ///             head holds keys.rows() entries. With lengths, attention needs >= max lengths[h] columns.
 ///   positions optional: original token positions [Hkv, >= L_h] of the entries (positions_heads_major() or
@@ -41,9 +41,9 @@ using gram_scalar_t = std::conditional_t<std::is_same_v<std::remove_const_t<T>, 
 ///             the Gram of this w_o (the library checks its shape and finiteness, not its values). A float Gram
 ///             used by select<double>() is widened, not recomputed.
 ///   accumulated optional: [Hkv, >= L_h, 1] the attention each entry has received over the steps so far
-///             (accumulate_attention(), LayerBook::accumulate()); only H2OSelector reads it (docs/algorithms.md
-///             section 2.10). Empty: H2O scores the attention received from the window queries alone.
-///   keys_scale, values_scale  int8 and fp8 caches only (docs/algorithms.md section 9): entry j of KV head h holds
+///             (accumulate_attention(), LayerBook::accumulate()); only H2OSelector reads it (docs/algorithms.md#h2o).
+///             Empty: H2O scores the attention received from the window queries alone.
+///   keys_scale, values_scale  int8 and fp8 caches only (docs/algorithms.md#quantized): entry j of KV head h holds
 ///             float(stored) * (tensor * token(h, j)); the default (tensor 1, no token scales) reads the codes as
 ///             they are. Every stage selects exactly as on float storage holding those values.
 template <class KV, class Q = KV, class W = Q>
@@ -68,7 +68,7 @@ struct LayerInputs {
 
 namespace kvevict::extend {
 
-/// The dimensions of one layer after validation. On a ragged layer (docs/algorithms.md section 6) `tokens` and
+/// The dimensions of one layer after validation. On a ragged layer (docs/algorithms.md#ragged) `tokens` and
 /// `prefix` are the longest head's, and length(h) / prefix_of(h) each head's own.
 struct LayerShape {
   Index query_heads = 0;       ///< H
@@ -129,7 +129,7 @@ inline void read_positions(const PositionsView& pos, extend::LayerShape& s, cons
   s.positions = pos;
 }
 
-/// The entries of a layer: keys [Hkv, capacity, d], lengths and positions (docs/algorithms.md section 6), checked;
+/// The entries of a layer: keys [Hkv, capacity, d], lengths and positions (docs/algorithms.md#ragged), checked;
 /// all a positional policy (StreamingLLM) reads. O(1), or O(sum of L_h) with positions.
 template <class KV, class Q, class W>
 extend::LayerShape read_entries(const LayerInputs<KV, Q, W>& in, const char* where) {
@@ -145,7 +145,7 @@ extend::LayerShape read_entries(const LayerInputs<KV, Q, W>& in, const char* whe
   return s;
 }
 
-/// A quantized cache's scale (docs/algorithms.md section 9): a finite tensor factor, token factors [Hkv, >= L, 1].
+/// A quantized cache's scale (docs/algorithms.md#quantized): a finite tensor factor, token factors [Hkv, >= L, 1].
 /// Any other cache takes none.
 inline void require_scale(const KVScale& scale, bool quantized, const extend::LayerShape& s, const char* name,
                           const char* where) {
@@ -182,8 +182,8 @@ void validate_observation(const LayerInputs<KV, Q, W>& in, bool has_q, extend::L
             ") must equal the context length (", s.tokens, ")");
 }
 
-/// Checks `in` against the rules of docs/algorithms.md section 1 for a window of `window` queries (and
-/// section 6 for ragged layers); O(1), or O(sum of L_h) with positions. With needs_observation false (key-only
+/// Checks `in` against the rules of docs/algorithms.md#setting (and docs/algorithms.md#ragged for ragged layers) for
+/// a window of `window` queries; O(1), or O(sum of L_h) with positions. With needs_observation false (key-only
 /// selectors) the queries and attention are not read, nor checked: the shape has query_heads = kv_heads, group 1.
 template <class KV, class Q, class W>
 extend::LayerShape validate_inputs(const LayerInputs<KV, Q, W>& in, Index window, const char* where,
@@ -224,7 +224,7 @@ extend::LayerShape validate_inputs(const LayerInputs<KV, Q, W>& in, Index window
   return s;
 }
 
-/// reference_quirks reproduces the reference code, which has no ragged caches (docs/algorithms.md section 6).
+/// reference_quirks reproduces the reference code, which has no ragged caches (docs/algorithms.md#ragged).
 inline void require_dense_for_quirks(const extend::LayerShape& s, bool reference_quirks, const char* where) {
   if (!reference_quirks || !s.ragged()) return;
   Index h = 1;

@@ -1,5 +1,5 @@
 #pragma once
-/// Quantized KV caches (docs/algorithms.md section 9): fp8 storage (e4m3 and e5m2, the two formats of vLLM's fp8
+/// Quantized KV caches (docs/algorithms.md#quantized): fp8 storage (e4m3 and e5m2, the two formats of vLLM's fp8
 /// KV cache) and int8 storage, read through dequantisation scales. Entry j of KV head h holds the value
 ///   float(stored) * (tensor * token(h, j))      in float arithmetic, the factor rounded first,
 /// and every stage selects exactly as it would on float storage holding those values.

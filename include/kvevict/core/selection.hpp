@@ -16,8 +16,9 @@ namespace kvevict {
 ///   indices()    [sum of lengths]  head h's kept rows are indices()[offsets()[h] .. offsets()[h+1])
 ///   positions()  [sum of lengths]  their original token positions (the rows themselves when the layer had none)
 ///   offsets()    [kv_heads + 1]    cu_seqlens-style prefix sums, offsets()[0] == 0
-/// On a ragged layer (docs/algorithms.md section 6) rows index each head's own entries. A selection made of blocks
-/// (section 8) also lists each head's kept block ids (block b = rows [bB, bB + B); the partial tail is the last).
+/// On a ragged layer (docs/algorithms.md#ragged) rows index each head's own entries. A selection made of blocks
+/// (docs/algorithms.md#layouts) also lists each head's kept block ids (block b = rows [bB, bB + B); the partial tail is
+/// the last).
 class Selection {
  public:
   using index_type = std::int64_t;

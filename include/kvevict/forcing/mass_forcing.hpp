@@ -1,6 +1,6 @@
 #pragma once
-/// Stage 2.6, cumulative-attention-mass forcing (DefensiveKV, arXiv 2510.13334): each KV head always keeps the
-/// smallest set of prefix tokens holding tau of its (unpooled) attention mass, up to a cap.
+/// Stage "forcing" (docs/algorithms.md#forcing), cumulative-attention-mass forcing (DefensiveKV, arXiv 2510.13334):
+/// each KV head always keeps the smallest set of prefix tokens holding tau of its unpooled attention mass, up to a cap.
 
 #include <algorithm>
 #include <cmath>

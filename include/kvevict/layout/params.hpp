@@ -1,5 +1,5 @@
 #pragma once
-/// The layout of a selection (docs/algorithms.md section 8): which KV heads share one kept set, how their
+/// The layout of a selection (docs/algorithms.md#layouts): which KV heads share one kept set, how their
 /// scores are reduced to one, and whether whole blocks of rows are kept or evicted. Parameters of every policy.
 
 #include "kvevict/core/error.hpp"
@@ -20,13 +20,14 @@ enum class Reduce {
   mean
 };
 
-/// The layout parameters (part of ScoringParams and of StreamingLLM::Params). The defaults give sections 1-7.
+/// The layout parameters (part of ScoringParams and of StreamingLLM::Params). The defaults give the per-head
+/// selection of docs/algorithms.md#stages, docs/algorithms.md#ragged and docs/algorithms.md#streaming.
 struct LayoutParams {
   Sharing share = Sharing::per_head;
   Reduce reduce = Reduce::max;
   Index block = 1;  ///< B, tokens per block: entries are kept or evicted in whole blocks of B rows (1: tokens)
 
-  /// Whether this is the papers' layout (per-head token selection), where nothing of section 8 applies.
+  /// Whether this is the papers' layout (per-head token selection): nothing of docs/algorithms.md#layouts applies.
   bool per_head_tokens() const { return share == Sharing::per_head && block == 1; }
   void validate(const char* where) const {
     detail::require(block >= 1, where, "block must be >= 1 (tokens per block), got ", block);

@@ -1,5 +1,5 @@
 #pragma once
-/// The layout stage (docs/algorithms.md section 8): groups of KV heads that keep one set, and the *unit* maps the
+/// The layout stage (docs/algorithms.md#layouts): groups of KV heads that keep one set, and the *unit* maps the
 /// allocations rank when a selection is shared or made of blocks. A unit map has one head per group and one entry
 /// per whole block of B rows; each group's tail (its last, partial block) is kept outside the ranking.
 ///   tokens -> units:  to_units(maps of the group's layers, grouping, reduce)    [V, max U_v]

@@ -1,5 +1,5 @@
 #pragma once
-/// What a selection costs, measured with future queries (docs/algorithms.md section 4): the output perturbation of the
+/// What a selection costs, measured with future queries (docs/algorithms.md#measured): the output perturbation of the
 /// layer and the attention mass the kept tokens retain.
 
 #include <cmath>

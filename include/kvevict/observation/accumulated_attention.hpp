@@ -1,6 +1,7 @@
 #pragma once
-/// Stage 2.1 over many queries: the attention each entry has received (H2O's heavy-hitter score,
-/// docs/algorithms.md section 2.10), from one observation, or added step by step into scores an engine keeps.
+/// Stage "window attention" (docs/algorithms.md#window-attention) over many queries: the attention each entry has
+/// received (H2O's heavy-hitter score, docs/algorithms.md#h2o), from one observation, or added step by step into scores
+/// an engine keeps.
 
 #include <string>
 

@@ -1,8 +1,8 @@
 #pragma once
 /// The keys (or values) of a layer as arithmetic rows, for scorers that read the cache without a window attention
-/// (K-norm, KeyDiff, Expected Attention: docs/algorithms.md sections 2.8 and 2.9): each KV head's live entries in
-/// cache-sized blocks, dequantized or converted exactly as the window attention reads them, so every storage type
-/// holding the same values scores alike.
+/// (K-norm, KeyDiff, Expected Attention: docs/algorithms.md#key-only and docs/algorithms.md#expected-attention): each
+/// KV head's live entries in cache-sized blocks, dequantized or converted exactly as the window attention reads them,
+/// so every storage type holding the same values scores alike.
 
 #include <algorithm>
 

@@ -1,6 +1,6 @@
 #pragma once
-/// Stage 2.1, observation: softmax rows of the window queries over the whole context, one query head at a time
-/// (extra memory O(w L), never O(H w L)).
+/// Stage "window attention" (docs/algorithms.md#window-attention), observation: softmax rows of the window queries over
+/// the whole context, one query head at a time (extra memory O(w L), never O(H w L)).
 
 #include <algorithm>
 #include <cmath>
@@ -86,7 +86,7 @@ constexpr Index kKeyBlock = 256;
 
 /// The same over the live entries of a KV view of the layer of `shape`: rows [0, L_h) of head h, each named by its
 /// row and, on a layer with positions (a ragged or compacted cache), by its token position too. A quantized view is
-/// checked as the values it holds (docs/algorithms.md section 9): a NaN code, or a scale that is not finite or
+/// checked as the values it holds (docs/algorithms.md#quantized): a NaN code, or a scale that is not finite or
 /// overflows a value, is named with the entry.
 template <class T>
 void require_finite_entries(const KVView<const T>& v, const extend::LayerShape& shape, const char* where,
@@ -196,9 +196,9 @@ inline namespace KVEVICT_ABI_NAMESPACE {
 
 /// Window attention of query head q: `rows` [w, L] receives softmax(Q_win[q] K[q/G]^T / sqrt(d)) with the causal
 /// mask inside the window (row i, at absolute position L-w+i, sees keys j <= L-w+i; masked entries are 0).
-/// L is `length` (the KV head's own entries on a ragged layer, docs/algorithms.md section 6), or all the keys' rows.
+/// L is `length` (the KV head's own entries on a ragged layer, docs/algorithms.md#ragged), or all the keys' rows.
 /// S is the arithmetic type (float or wider); Q and KV the storage types of the queries and the keys; `keys_scale`
-/// dequantizes int8 and fp8 keys (docs/algorithms.md section 9).
+/// dequantizes int8 and fp8 keys (docs/algorithms.md#quantized).
 template <class S, class Q, class KV>
 void window_attention(const HeadsView<const Q>& queries, const KVView<const KV>& keys, Index q, Index group,
                       RowMatrix<S>& rows, Index length = -1, const KVScale& keys_scale = {}) {

@@ -20,13 +20,6 @@
 
 namespace kvevict {
 
-/// A per-layer eviction policy. Immutable after construction; select() is const and may be called from several
-/// threads at once.
-///   Base:     an allocation (UniformAllocation, HeadAdaptiveAllocation, PyramidAllocation) or any scored preset
-///             whose allocation to reuse, with that preset's allocation defaults: Policy<DefensiveKV,
-///             CriticalSelector> allocates as DefensiveKV (flat top-k, alpha = 0) and scores as CriticalKV. A
-///             layer-global preset as Base gives the layer-global policy of the selector (the specialisation below).
-///   Selector: AttentionSelector (default), CriticalSelector, DefensiveSelector, or your own (docs/extending.md).
 /// An eviction policy. Immutable after construction; select() is const and may be called from several threads at
 /// once.
 ///   Base:     an allocation (UniformAllocation, HeadAdaptiveAllocation, PyramidAllocation, LayerGlobalAllocation)
@@ -134,8 +127,8 @@ class Policy {
 
  public:
   /// Scores layers one at a time (an engine can drop each layer's queries after add()), then apply() selects: the
-  /// way to select every layer under one budget across layers or `share = per_model` (docs/algorithms.md section
-  /// 8); otherwise the same as select() on each layer. Holds a copy of the policy, so it may outlive it.
+  /// way to select every layer under one budget across layers or `share = per_model` (docs/algorithms.md#layouts);
+  /// otherwise the same as select() on each layer. Holds a copy of the policy, so it may outlive it.
   template <class S>
   class Plan {
    public:
@@ -270,8 +263,9 @@ class Policy {
   }
 
   /// The run loop: every scored layer through allocation and selection, one Selection per layer. Per head (block
-  /// 1) the layers' own maps are allocated; otherwise the layout's unit maps (section 8). `refine(l, layer,
-  /// selected, budgets, keep)` refines layer l's bounds after a selection (nullptr: the scores are exact).
+  /// 1) the layers' own maps are allocated; otherwise the layout's unit maps (docs/algorithms.md#layouts).
+  /// `refine(l, layer, selected, budgets, keep)` refines layer l's bounds after a selection (nullptr: the scores
+  /// are exact).
   template <class S, class Refine>
   std::vector<Selection> run(std::vector<Scored<S>>& layers, const std::string& where, Refine&& refine) const {
     if (params_.per_head_tokens()) return run_tokens(layers, where, refine);
@@ -333,8 +327,9 @@ class Policy {
     return out;
   }
 
-  /// Section 8: groups of KV heads that keep one set, in blocks. A scope is one layer, or every layer under
-  /// share = per_model; its unit map is allocated alone, or with every other scope's under one budget across layers.
+  /// docs/algorithms.md#layouts: groups of KV heads that keep one set, in blocks. A scope is one layer, or every
+  /// layer under share = per_model; its unit map is allocated alone, or with every other scope's under one budget
+  /// across layers.
   template <class S>
   std::vector<Selection> run_units(std::vector<Scored<S>>& layers, const std::string& where) const {
     using L = typename SelectorType::template Layer<S>;
@@ -398,7 +393,7 @@ class Policy {
       for (L& u : units) {
         // The layer-global order ranks forced and window entries alike (by recency); so must each group's own
         // selection, or a group whose share is smaller than its forced blocks would keep other blocks than the
-        // top-k chose (in token mode every non-scored entry always fits, section 2.6).
+        // top-k chose (in token mode every non-scored entry always fits, docs/algorithms.md#forcing).
         for (extend::Tier& t : u.allocation.tier)
           if (t == extend::Tier::forced) t = extend::Tier::window;
         maps.push_back(&u.allocation);

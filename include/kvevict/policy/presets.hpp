@@ -1,5 +1,5 @@
 #pragma once
-/// The named policies (docs/algorithms.md section 3), as thin presets over Policy. Each is a
+/// The named policies (docs/algorithms.md#presets), as thin presets over Policy. Each is a
 /// class so that its name appears in error messages and its defaults carry over when it serves as a base.
 
 #include "kvevict/allocation/head_adaptive.hpp"
@@ -153,7 +153,7 @@ class H2O : public Policy<UniformAllocation, H2OSelector> {
   explicit H2O(const Params& p = Params{}) : Policy(p, type_name) {}
 };
 
-/// OpenDefensiveKV (ours, docs/algorithms.md section 2.11): Layer-DefensiveKV (one budget across layers, worst-case
+/// OpenDefensiveKV (ours, docs/algorithms.md#open-window): Layer-DefensiveKV (one budget across layers, worst-case
 /// aggregation with the prior floor, L1 value term, mass forcing) with two changes: no pooling (kernel 1), and an
 /// open window: the 32 window queries are observed as before, but the window's own tokens compete by the same score
 /// instead of being kept, and only each head's newest entry is kept unconditionally.

@@ -8,12 +8,13 @@
 
 namespace kvevict {
 
-/// Parameters every scored policy has (docs/algorithms.md section 2.1-2.2 defaults of the kvpress family).
+/// Parameters every scored policy has (docs/algorithms.md#window-attention and docs/algorithms.md#pooling:
+/// defaults of the kvpress family).
 struct ScoringParams : LayoutParams {
   Index window = 32;               ///< w, the observation window (the last w prompt positions)
   Pooling pooling = Pooling::avg;  ///< smoothing along tokens (SnapKV's LongBench setting: max, kernel 7)
   Index kernel = 5;                ///< pooling kernel, odd
-  bool reference_quirks = false;   ///< reproduce the reference code's quirks (docs/algorithms.md section 2.6)
+  bool reference_quirks = false;   ///< reproduce the reference code's quirks (docs/algorithms.md#forcing)
 
   void validate(const char* where) const {
     LayoutParams::validate(where);

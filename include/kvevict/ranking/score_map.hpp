@@ -14,7 +14,7 @@ namespace kvevict::extend {
 /// Entries of a higher tier rank before every entry of a lower tier. Inside the window and forced tiers the
 /// score is ignored (set to 0), so they rank by recency: this is exactly the reference's "pad the window with the
 /// layer maximum" and "scatter the dtype maximum into the safeguard", without magic values. `absent` marks the
-/// padding of a ragged layer (rows beyond a head's L_h, docs/algorithms.md section 6): never ranked, never kept.
+/// padding of a ragged layer (rows beyond a head's L_h, docs/algorithms.md#ragged): never ranked, never kept.
 enum class Tier : std::uint8_t {
   absent = 0,  ///< not an entry (the padding beyond a head's L_h)
   scored = 1,  ///< ranked by score
@@ -24,7 +24,7 @@ enum class Tier : std::uint8_t {
 
 /// Scores and tiers [kv_heads, tokens] of one layer, row-major, flat index f = h * tokens + j (tokens: the longest
 /// head's entries). On a ragged layer the entries j >= length(h) are `absent`; `position` holds the entries'
-/// original positions when the layer has them (ties across heads compare positions, section 2.7).
+/// original positions when the layer has them (ties across heads compare positions, docs/algorithms.md#ties).
 template <class S>
 struct ScoreMap {
   Index heads = 0;

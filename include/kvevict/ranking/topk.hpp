@@ -1,7 +1,7 @@
 #pragma once
-/// Stage 2.6/2.7: deterministic top-k over a ScoreMap in linear expected time (nth_element, no full sort).
-/// Order: tier descending, score descending, then the more recent token (higher original position), then the lower
-/// KV head. It is a strict
+/// Stages "forcing" and "ties" (docs/algorithms.md#forcing, docs/algorithms.md#ties): deterministic top-k over a
+/// ScoreMap in linear expected time (nth_element, no full sort). Order: tier descending, score descending, then the
+/// more recent token (higher original position), then the lower KV head. It is a strict
 /// total order, so the kept set never depends on the algorithm, the platform or the thread count.
 
 #include <algorithm>

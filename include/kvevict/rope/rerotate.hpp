@@ -1,5 +1,5 @@
 #pragma once
-/// RoPE positions of kept keys (docs/algorithms.md section 8, "RoPE positions"): the new positions of a layer's kept
+/// RoPE positions of kept keys (docs/algorithms.md#layouts, "RoPE positions"): the new positions of a layer's kept
 /// entries when an engine renumbers them contiguously, and the re-rotation of post-RoPE keys from their original
 /// positions to the new ones (StreamingLLM's position shift, llama.cpp's K-shift, kvpress's key re-rotation).
 

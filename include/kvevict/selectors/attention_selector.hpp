@@ -11,7 +11,7 @@
 namespace kvevict {
 inline namespace KVEVICT_ABI_NAMESPACE {  // core/config.hpp: code that depends on KVEVICT_OPENMP
 
-/// Scores prefix token j of KV head h by s[h][j] (docs/algorithms.md section 2.3, mean); the window ranks above every
+/// Scores prefix token j of KV head h by s[h][j] (docs/algorithms.md#aggregation, mean); the window ranks above every
 /// prefix token; each head keeps its top budgets[h].
 struct AttentionSelector {
   static constexpr const char* type_name = "AttentionSelector";

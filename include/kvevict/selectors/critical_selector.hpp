@@ -17,14 +17,15 @@
 namespace kvevict {
 inline namespace KVEVICT_ABI_NAMESPACE {  // core/config.hpp: code that depends on KVEVICT_OPENMP
 
-/// Allocation ranks by the mean attention score s (2.3), so the base method (uniform, head-adaptive with its
-/// safeguard, layer-global) allocates exactly as it would alone. Then each head h with budget b_h
+/// Allocation ranks by the mean attention score s (docs/algorithms.md#aggregation), so the base method (uniform,
+/// head-adaptive with its safeguard, layer-global) allocates exactly as it would alone. Then each head h with
+/// budget b_h
 ///   stage 1: keeps its top int(b_h * first_stage_ratio) tokens by s (window and safeguard entries first);
-///   stage 2: fills the rest with the best of s'[h][j] = (s[h][j] + eps) * N[h][j] (2.4, the value term).
+///   stage 2: fills the rest with the best of s'[h][j] = (s[h][j] + eps) * N[h][j] (docs/algorithms.md#value-term).
 /// Under reference_quirks the window does not rank first in stage 2: it competes with
 /// s' = (layer max of s + eps) * N, as the reference's padded scores do.
 /// With the L1 term and `prune` (the default), a policy that selects a layer at once (select(), select_layers)
-/// computes N only where it can change stage 2 (docs/algorithms.md section 2.4.1): score_bounded() ranks by an
+/// computes N only where it can change stage 2 (docs/algorithms.md#pruned-l1): score_bounded() ranks by an
 /// upper bound and refine() computes the exact term for what stage 2 picked at its bound, until it picks none. The
 /// selection is the same, bit for bit.
 struct CriticalSelector {
@@ -50,7 +51,7 @@ struct CriticalSelector {
     std::vector<S> weight;
   };
 
-  /// Both maps, for section 8's sharing and blocks.
+  /// Both maps, for the sharing and blocks of docs/algorithms.md#layouts.
   template <class L>
   static auto score_maps(L& layer) {
     return std::tie(layer.allocation, layer.critical);

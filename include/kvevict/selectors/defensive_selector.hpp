@@ -15,17 +15,17 @@
 namespace kvevict {
 inline namespace KVEVICT_ABI_NAMESPACE {  // core/config.hpp: code that depends on KVEVICT_OPENMP
 
-/// Scores s'[h][j] = M[h][j] * Nn[h][j] with M the defensive aggregation (2.3) and Nn[h][j] = N[h][j] / sum over
-/// KV heads of N[.][j] (2.4, no eps), then one top-k over the layer (or the model). Corrected (default): each head's
-/// mass-forced tokens (2.6, at most n_kept - w) and the window are kept strictly first, in tiers above every score
-/// (+infinity in a layer-global top-k). Under reference_quirks they carry the layer maximum of s' and compete by
-/// score (exact ties go to the more recent token), the window bias is the reference's, the cap is
-/// int(P (1 - cr) - w) (negative: all but the last |cap|) and the flat totals are int(L (1 - cr) Hkv) per layer.
-/// `value_term = false` and `mass_forcing = false` give the paper's ablation (the defensive aggregation alone).
-/// `open_window` (ours, docs/algorithms.md section 2.11): the window's tokens are scored like the prefix (their
-/// attention from the later window queries, unpooled, floored at the prefix mean, value-weighted) and only each
-/// head's most recent entry is kept first (under reference_quirks it carries the layer maximum, as the window does);
-/// the window is still observed whole and the mass forcing is unchanged.
+/// Scores s'[h][j] = M[h][j] * Nn[h][j] with M the defensive aggregation (docs/algorithms.md#aggregation) and Nn[h][j]
+/// = N[h][j] / sum over KV heads of N[.][j] (docs/algorithms.md#value-term, no eps), then one top-k over the layer (or
+/// the model). Corrected (default): each head's mass-forced tokens (docs/algorithms.md#forcing, at most n_kept - w) and
+/// the window are kept strictly first, in tiers above every score (+infinity in a layer-global top-k). Under
+/// reference_quirks they carry the layer maximum of s' and compete by score (exact ties go to the more recent token),
+/// the window bias is the reference's, the cap is int(P (1 - cr) - w) (negative: all but the last |cap|) and the flat
+/// totals are int(L (1 - cr) Hkv) per layer. `value_term = false` and `mass_forcing = false` give the paper's ablation
+/// (the defensive aggregation alone). `open_window` (ours, docs/algorithms.md#open-window): the window's tokens are
+/// scored like the prefix (their attention from the later window queries, unpooled, floored at the prefix mean,
+/// value-weighted) and only each head's most recent entry is kept first (under reference_quirks it carries the layer
+/// maximum, as the window does); the window is still observed whole and the mass forcing is unchanged.
 struct DefensiveSelector {
   static constexpr const char* type_name = "DefensiveSelector";
   struct Params {
@@ -50,7 +50,7 @@ struct DefensiveSelector {
   const Params& params() const { return params_; }
   bool reads_values() const { return params_.value_term; }
 
-  /// Under reference_quirks the flat totals are int(L * (1 - cr) * Hkv) (docs/algorithms.md section 1).
+  /// Under reference_quirks the flat totals are int(L * (1 - cr) * Hkv) (docs/algorithms.md#budgets).
   void adjust_budget(extend::LayerBudget& budget, const extend::LayerShape& shape, const ScoringParams& common,
                      const char* where) const {
     if (!common.reference_quirks) return;
@@ -100,8 +100,8 @@ struct DefensiveSelector {
         for (Index j : forced[static_cast<std::size_t>(h)]) layer.allocation.promote(h, j, extend::Tier::forced);
     } else {
       // Reference: forced tokens and the window (an open window's newest entries) carry the layer maximum of the
-      // scored s', then one top-k in the section 2.7 order (a scored token that ties the maximum and is more recent
-      // displaces a forced one when they all tie).
+      // scored s', then one top-k in the docs/algorithms.md#ties order (a scored token that ties the maximum and is
+      // more recent displaces a forced one when they all tie).
       auto& map = layer.allocation;
       S layer_max = S(0);
       bool any = false;
@@ -135,8 +135,8 @@ struct DefensiveSelector {
   }
 
   /// scores(h, j) *= N[h][j] / (sum of N over the KV heads whose scored entries hold the same position), 0 when
-  /// that sum is 0 (docs/algorithms.md sections 2.4 and 6; on a dense layer the sum is the column's, in head
-  /// order). The scored entries are the prefix, or every entry with an open window.
+  /// that sum is 0 (docs/algorithms.md#value-term and docs/algorithms.md#ragged; on a dense layer the sum is the
+  /// column's, in head order). The scored entries are the prefix, or every entry with an open window.
   template <class S>
   static void weight_by_normalised_values(RowMatrix<S>& scores, const RowMatrix<S>& n, const extend::LayerShape& shape,
                                           bool open_window) {

@@ -1,7 +1,7 @@
 #pragma once
 /// Expected Attention (kvpress ExpectedAttentionPress): each key is scored by the attention that the queries of the
 /// next positions are expected to pay it, from the mean and covariance of the window queries before RoPE, rotated
-/// by the RoPE rotation averaged over those positions, times the value's norm (docs/algorithms.md section 2.9).
+/// by the RoPE rotation averaged over those positions, times the value's norm (docs/algorithms.md#expected-attention).
 
 #include <algorithm>
 #include <cmath>

@@ -1,6 +1,6 @@
 #pragma once
 /// H2O (arXiv 2306.14048): the heavy hitters, entries that received the most attention from every query so far,
-/// plus the most recent entries (docs/algorithms.md section 2.10).
+/// plus the most recent entries (docs/algorithms.md#h2o).
 
 #include <cmath>
 #include <vector>

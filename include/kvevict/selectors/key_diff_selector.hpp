@@ -1,6 +1,6 @@
 #pragma once
 /// KeyDiff (arXiv 2504.18838, kvpress KeyDiffPress): keys that differ most from the head's average key direction are
-/// kept. Reads the keys alone: no queries, no attention, no values (docs/algorithms.md section 2.8).
+/// kept. Reads the keys alone: no queries, no attention, no values (docs/algorithms.md#key-only).
 
 #include <vector>
 

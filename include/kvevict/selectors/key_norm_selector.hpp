@@ -1,6 +1,6 @@
 #pragma once
 /// K-norm (arXiv 2406.11430, kvpress KnormPress): keys with a low L2 norm draw high attention, so a cache keeps
-/// them. Reads the keys alone: no queries, no attention, no values (docs/algorithms.md section 2.8).
+/// them. Reads the keys alone: no queries, no attention, no values (docs/algorithms.md#key-only).
 
 #include <vector>
 

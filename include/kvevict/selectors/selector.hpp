@@ -24,8 +24,8 @@
 ///       (it arrives empty or holding another layer's flags), then flags exactly budgets[h] tokens of every KV head
 ///       h. Without it each head keeps its top budgets[h] of `allocation` (extend::select_top_per_head)
 ///   template <class L> static auto score_maps(L& layer);   // only if Layer<S> holds maps besides `allocation`
-///       std::tie of every ScoreMap<S> of the Layer, `allocation` first: section 8's sharing and blocks convert
-///       each of them to units (docs/algorithms.md section 8), so select() then works on groups and blocks
+///       std::tie of every ScoreMap<S> of the Layer, `allocation` first: sharing and blocks convert
+///       each of them to units (docs/algorithms.md#layouts), so select() then works on groups and blocks
 /// Scoring and selection are separate so that a layer-global allocator can score every layer first, allocate
 /// across layers, then select (plan, then apply).
 

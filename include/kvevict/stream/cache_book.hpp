@@ -1,5 +1,5 @@
 #pragma once
-/// Eviction while the cache grows (docs/algorithms.md section 7): the bookkeeping of a ragged cache, per-head lengths
+/// Eviction while the cache grows (docs/algorithms.md#streaming): the bookkeeping of a ragged cache, per-head lengths
 /// and original positions, and nothing else. The engine owns keys and values and runs the forward pass.
 ///
 ///   kvevict::CacheBook book(n_layers, kv_heads, capacity);
@@ -33,7 +33,7 @@ inline namespace KVEVICT_ABI_NAMESPACE {  // core/config.hpp: LayerBook::accumul
 /// in the engine's storage (keys and values [Hkv, capacity, d], either layout). Rows stay in ascending position
 /// order: appends go after each head's last entry, eviction compacts in place. Once something was accumulated
 /// (accumulate(), add_attention()), it also carries each entry's received attention [Hkv, capacity] (H2O,
-/// docs/algorithms.md section 2.10): 0 for new entries, compacted with them, attached by describe().
+/// docs/algorithms.md#h2o): 0 for new entries, compacted with them, attached by describe().
 class LayerBook {
  public:
   LayerBook() = default;

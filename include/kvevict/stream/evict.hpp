@@ -1,5 +1,5 @@
 #pragma once
-/// The rule of docs/algorithms.md section 7, "evict now": after each step, every layer holding more than its budget
+/// The rule of docs/algorithms.md#streaming, "evict now": after each step, every layer holding more than its budget
 /// is evicted to it (a layer-global policy: all layers, when the model holds more than its budget).
 
 #include <string>

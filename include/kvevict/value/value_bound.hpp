@@ -1,5 +1,5 @@
 #pragma once
-/// The L1 value term only where it can change the selection (docs/algorithms.md section 2.4.1): a rigorous upper
+/// The L1 value term only where it can change the selection (docs/algorithms.md#pruned-l1): a rigorous upper
 /// bound of N[h][j] as value_norms computes it, for every entry at the cost of the L2 term, and the exact N on chosen
 /// rows, bit for bit what value_norms gives them.
 

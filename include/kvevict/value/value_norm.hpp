@@ -1,5 +1,6 @@
 #pragma once
-/// Stage 2.4, the value term (CriticalKV, arXiv 2502.03805): how much evicting a token perturbs the layer output,
+/// Stage "value term" (docs/algorithms.md#value-term; CriticalKV, arXiv 2502.03805): how much evicting a token
+/// perturbs the layer output,
 /// || V[h][j, :] (W_o^q)^T ||_p over the D output dimensions, averaged over the query heads of each group.
 
 #include <algorithm>
@@ -70,7 +71,7 @@ inline namespace KVEVICT_ABI_NAMESPACE {
 /// N [Hkv, L]: N[h][j] = mean over the G query heads q of group h of || V[h][j, :] (W_o^q)^T ||_p, for the
 /// entries j < length_of(h) of each head (the rest of the row is 0; L = the longest head).
 /// `gram` is used (and required) for ValueNorm::l2; it may be null for l1. `values_scale` dequantizes int8 and fp8
-/// values (docs/algorithms.md section 9).
+/// values (docs/algorithms.md#quantized).
 template <class S, class KV, class W, class Lengths>
 RowMatrix<S> value_norms(const KVView<const KV>& values, const HeadsView<const W>& w_o, Index group, ValueNorm norm,
                          const OutputGram<S>* gram, Lengths length_of, const KVScale& values_scale = {}) {
@@ -131,7 +132,7 @@ RowMatrix<S> value_norms(const KVView<const KV>& values, const HeadsView<const W
       values, w_o, group, norm, gram, [&](Index) { return values.rows(); }, values_scale);
 }
 
-/// N [Hkv, L] of the layer of `shape`: head h's own L_h entries (docs/algorithms.md section 6), zeros beyond.
+/// N [Hkv, L] of the layer of `shape`: head h's own L_h entries (docs/algorithms.md#ragged), zeros beyond.
 template <class S, class KV, class W>
 RowMatrix<S> value_norms(const KVView<const KV>& values, const HeadsView<const W>& w_o, const LayerShape& shape,
                          ValueNorm norm, const OutputGram<S>* gram = nullptr, const KVScale& values_scale = {}) {
