@@ -263,7 +263,10 @@ TEST_CASE("properties: StreamingLLM keeps the sinks and the most recent tokens o
     const Shape s = edge_shape(c, rng);
     const std::int64_t n_kept = edge_budget(s, rng);
     const kvevict::StreamingLLM policy;
-    const Selection sel = policy.select(s.Hkv, s.L, Budget::tokens(n_kept));
+    const std::vector<float> keys(static_cast<std::size_t>(s.Hkv * s.L), 0.0f);  // only their shape is read
+    kvevict::LayerInputs<float> in;
+    in.keys = kvevict::kv_heads_major<const float>(keys.data(), s.Hkv, s.L, 1);
+    const Selection sel = policy.select(in, Budget::tokens(n_kept));
     INFO(kvevict_test::describe(s) << " n_kept=" << n_kept);
     REQUIRE(kvevict_test::structure_errors(sel, s.Hkv, s.L).empty());
     const std::int64_t sinks = std::min<std::int64_t>(4, n_kept);

@@ -154,7 +154,7 @@ using KeyNormLayerGlobal = kvevict::LayerGlobalPolicy<mylab::KeyNormSelector>;  
 //          CriticalSelector, DefensiveSelector, or your own
 //   error: static assertion failed: kvevict::Policy<Base, Selector>: Base must be an allocation (UniformAllocation,
 //          HeadAdaptiveAllocation, or a type meeting the Allocation contract of docs/extending.md) or a scored
-//          preset (...); StreamingLLM is positional and has no allocation to reuse
+//          preset (...)
 struct NoSelect : mylab::KeyNormSelector {
   void select() const {}
 };

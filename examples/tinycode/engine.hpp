@@ -156,8 +156,8 @@ class Engine {
   std::vector<kvevict::LayerInputs<float>> eviction_inputs_for(const Policy& policy) const {
     return model_inputs(window_of(policy));
   }
-  /// The window `policy` observes: its params().window (a scored policy's; TOVA's is 1), or the engine's for a
-  /// policy without one (StreamingLLM).
+  /// The window `policy` observes: its params().window (TOVA's is 1; StreamingLLM's 0, which eviction_inputs()
+  /// reads as the engine's window: a positional policy reads no queries), or the engine's for a policy without one.
   template <class Policy>
   Index window_of(const Policy& policy) const {
     if constexpr (has_window<Policy>::value)

@@ -195,7 +195,8 @@ extend::LayerShape validate_inputs(const LayerInputs<KV, Q, W>& in, Index window
           "exactly one of queries [H, w, head_dim] and attention [H, w, L] must be given, got ",
           has_q ? "both" : "neither");
   s.window = window;
-  require(window >= 1, where, "window must be >= 1, got ", window);
+  require(window >= (needs_observation ? 1 : 0), where, "window must be >= ", needs_observation ? 1 : 0, ", got ",
+          window);
   if (s.ragged()) {
     for (Index h = 0; h < s.kv_heads; ++h)
       require(window < s.length(h), where, "window (", window, ") must be smaller than the entries of KV head ", h,

@@ -18,7 +18,6 @@
 
 #include "kvevict/allocation/head_adaptive.hpp"
 #include "kvevict/allocation/pyramid.hpp"
-#include "kvevict/allocation/streaming_llm.hpp"
 #include "kvevict/policy/contracts.hpp"
 #include "kvevict/policy/presets.hpp"
 #include "kvevict/selectors/critical_selector.hpp"
@@ -42,7 +41,7 @@ struct Knobs {
   std::optional<double> alpha;                                   // HeadAdaptiveAllocation
   std::optional<double> beta;                                    // PyramidAllocation
   std::optional<HeadAdaptiveAllocation::Variant> adakv_variant;  // HeadAdaptiveAllocation::Params::variant
-  std::optional<Index> sinks;                                    // StreamingLLM
+  std::optional<Index> sinks;                                    // RecencySelector (StreamingLLM)
   std::optional<double> eps, first_stage_ratio;                  // CriticalSelector
   std::optional<ValueNorm> value_norm;                           // CriticalSelector, DefensiveSelector
   std::optional<double> mass_threshold;                          // DefensiveSelector
@@ -64,7 +63,8 @@ void for_each_knob(K& k, F&& f) {
     f("reduce", k.reduce, &LayoutParams::reduce);
     f("block", k.block, &LayoutParams::block);
   }
-  if constexpr (std::is_base_of_v<ScoringParams, Params>) {
+  // A positional policy (StreamingLLM: RecencySelector) observes nothing: no window, pooling or reference quirks.
+  if constexpr (std::is_base_of_v<ScoringParams, Params> && !std::is_base_of_v<RecencySelector::Params, Params>) {
     f("window", k.window, &ScoringParams::window);
     f("pooling", k.pooling, &ScoringParams::pooling);
     f("kernel", k.kernel, &ScoringParams::kernel);
@@ -76,7 +76,8 @@ void for_each_knob(K& k, F&& f) {
   }
   if constexpr (std::is_base_of_v<PyramidAllocation::Params, Params>)
     f("beta", k.beta, &PyramidAllocation::Params::beta);
-  if constexpr (std::is_base_of_v<StreamingLLM::Params, Params>) f("sinks", k.sinks, &StreamingLLM::Params::sinks);
+  if constexpr (std::is_base_of_v<RecencySelector::Params, Params>)
+    f("sinks", k.sinks, &RecencySelector::Params::sinks);
   if constexpr (std::is_base_of_v<CriticalSelector::Params, Params>) {
     f("eps", k.eps, &CriticalSelector::Params::eps);
     f("first_stage_ratio", k.first_stage_ratio, &CriticalSelector::Params::first_stage_ratio);
@@ -139,14 +140,10 @@ enum class BudgetScope { head, layer, model };
 
 template <class P>
 constexpr BudgetScope budget_scope() {
-  if constexpr (detail::is_layer_global<P>::value)
+  if constexpr (detail::is_layer_global<P>::value || detail::is_scheduled<P>::value)
     return BudgetScope::model;
-  else if constexpr (detail::is_layer_policy<P>::value)
-    return detail::is_scheduled<P>::value                              ? BudgetScope::model
-           : std::is_same_v<typename P::Allocation, UniformAllocation> ? BudgetScope::head
-                                                                       : BudgetScope::layer;
   else
-    return BudgetScope::head;  // StreamingLLM
+    return std::is_same_v<typename P::Allocation, UniformAllocation> ? BudgetScope::head : BudgetScope::layer;
 }
 
 /// One Selection per layer with any policy: per-layer policies select each layer, layer-global ones plan over all
@@ -269,7 +266,7 @@ bool visit(std::string_view name, F&& f) {
 
 /// The name in bases() of the base that P's allocation is: the first with P's allocation type and allocation
 /// defaults ("layer" for a layer-global policy), so that compose(base_of<P>(), selector) allocates as P does.
-/// Empty for a policy with no allocation to reuse (StreamingLLM).
+/// Empty when no base has it.
 template <class P>
 std::string_view base_of() {
   std::string_view found;

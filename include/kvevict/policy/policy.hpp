@@ -26,7 +26,8 @@ namespace kvevict {
 ///             or any scored preset whose allocation to reuse, with that preset's allocation defaults:
 ///             Policy<DefensiveKV, CriticalSelector> allocates as DefensiveKV (flat top-k, alpha = 0) and scores as
 ///             CriticalKV; Policy<LayerDefensiveKV, CriticalSelector> allocates across layers.
-///   Selector: AttentionSelector (default), CriticalSelector, DefensiveSelector, or your own (docs/extending.md).
+///   Selector: AttentionSelector (default), CriticalSelector, DefensiveSelector, ..., RecencySelector (StreamingLLM's
+///             positional ranking), or your own (docs/extending.md).
 /// The allocation decides the budget's scope: each layer alone, each layer its share of the model's budget
 /// (PyramidAllocation schedules it), or one budget across layers (LayerGlobalAllocation: every layer is scored
 /// before any is allocated, so a layer of a larger model cannot be selected alone).
@@ -37,8 +38,7 @@ class Policy {
                 "HeadAdaptiveAllocation, PyramidAllocation, LayerGlobalAllocation, or a type meeting the Allocation "
                 "contract of docs/extending.md) or a scored "
                 "preset (SnapKV, AdaKV, PyramidKV, CriticalKV, CriticalSnapKV, DefensiveKV, AdaKVDefensive, "
-                "LayerDefensiveKV, TOVA, KNorm, KeyDiff, ExpectedAttention, H2O); "
-                "StreamingLLM is positional and has no allocation to reuse");
+                "LayerDefensiveKV, TOVA, KNorm, KeyDiff, ExpectedAttention, H2O, StreamingLLM)");
   static_assert(
       detail::is_selector<Selector>::value,
       "kvevict::Policy<Base, Selector>: Selector must meet the Selector contract (Params, Layer<S>, "
@@ -57,7 +57,7 @@ class Policy {
   struct Params : ScoringParams, Allocation::Params, SelectorType::Params {
     Params() : Allocation::Params(allocation_defaults()) {}
     void validate(const char* where) const {
-      ScoringParams::validate(where);
+      ScoringParams::validate(where, reads_observation() ? 1 : 0);
       Allocation::Params::validate(where);
       SelectorType::Params::validate(where);
     }

@@ -4,7 +4,6 @@
 
 #include "kvevict/allocation/head_adaptive.hpp"
 #include "kvevict/allocation/pyramid.hpp"
-#include "kvevict/allocation/streaming_llm.hpp"
 #include "kvevict/allocation/uniform.hpp"
 #include "kvevict/policy/policy.hpp"
 #include "kvevict/selectors/attention_selector.hpp"
@@ -14,9 +13,25 @@
 #include "kvevict/selectors/h2o_selector.hpp"
 #include "kvevict/selectors/key_diff_selector.hpp"
 #include "kvevict/selectors/key_norm_selector.hpp"
+#include "kvevict/selectors/recency_selector.hpp"
 
 namespace kvevict {
 inline namespace KVEVICT_ABI_NAMESPACE {  // core/config.hpp: code that depends on KVEVICT_OPENMP
+
+/// StreamingLLM (arXiv 2309.17453), the positional baseline: every KV head keeps its first min(sinks, n_kept)
+/// entries (4 attention sinks) and its most recent ones, n_kept in all (min(n_kept, L_h) on a ragged layer). Reads
+/// only the keys' shape, lengths and positions; no observation window (window 0).
+class StreamingLLM : public Policy<UniformAllocation, RecencySelector> {
+ public:
+  static constexpr const char* type_name = "StreamingLLM";
+  struct Params : Policy::Params {
+    Params() {
+      window = 0;
+      kernel = 1;
+    }
+  };
+  explicit StreamingLLM(const Params& p = Params{}) : Policy(p, type_name) {}
+};
 
 /// SnapKV (arXiv 2404.14469): mean window attention, pooled; every KV head keeps the window and its top
 /// (n_kept - w) prefix tokens.

@@ -16,13 +16,14 @@ struct ScoringParams : LayoutParams {
   Index kernel = 5;                ///< pooling kernel, odd
   bool reference_quirks = false;   ///< reproduce the reference code's quirks (docs/algorithms.md#forcing)
 
-  void validate(const char* where) const {
+  /// `min_window`: 1 for a policy that observes a window, 0 for one that reads no observation (StreamingLLM).
+  void validate(const char* where, Index min_window = 1) const {
     LayoutParams::validate(where);
     detail::require(!reference_quirks || per_head_tokens(), where,
                     "reference_quirks reproduces the reference code, which has neither sharing nor blocks: it needs "
                     "share = per_head and block = 1, got share = ",
                     to_string(share), ", block = ", block);
-    detail::require(window >= 1, where, "window must be >= 1, got ", window);
+    detail::require(window >= min_window, where, "window must be >= ", min_window, ", got ", window);
     detail::require(kernel >= 1 && kernel % 2 == 1, where, "kernel must be an odd number >= 1, got ", kernel);
   }
 };

@@ -16,22 +16,6 @@
 namespace kvevict {
 
 namespace detail {
-/// The observation window of a scored policy; 0 for a positional one (StreamingLLM).
-template <class P>
-Index window_of(const P& policy) {
-  if constexpr (std::is_base_of_v<ScoringParams, typename P::Params>)
-    return policy.params().window;
-  else
-    return 0;
-}
-
-/// Whether P has plan<S>(budget) (scored policies; StreamingLLM selects a model with select(layers, budget)).
-template <class P, class = void>
-struct has_plan : std::false_type {};
-template <class P>
-struct has_plan<P, std::void_t<decltype(std::declval<const P&>().template plan<float>(Budget::tokens(1)))>>
-    : std::true_type {};
-
 /// Whether P selects every layer at once: a layer-global policy, a scheduled allocation (PyramidKV: each layer's
 /// share of the model budget), or any policy with share = per_model.
 template <class P>
@@ -66,21 +50,15 @@ Index evict_over_budget(const P& policy, CacheBook& book, Index n, Inputs&& inpu
     book.end_step();
     return 0;
   }
-  const Index window = detail::window_of(policy);
+  const Index window = policy.params().window;  // 0 for a positional policy (StreamingLLM)
   detail::require(book.step() >= window, where.c_str(), "the step (", book.step(),
                   " tokens appended since the last eviction) must be at least the window (", window,
                   "): the window is the step's last w queries");
   std::vector<Selection> selections;
   if (model_wide) {
-    if constexpr (detail::has_plan<P>::value) {
-      auto plan = policy.template plan<S>(budget, book.layers());  // every layer is due, in the model's order
-      for (Index l : due) plan.add(book.layer(l).describe(inputs_of(l)));
-      selections = plan.apply();
-    } else {
-      std::vector<decltype(book.layer(0).describe(inputs_of(0)))> layers;
-      for (Index l : due) layers.push_back(book.layer(l).describe(inputs_of(l)));
-      selections = policy.template select<S>(layers, budget);
-    }
+    auto plan = policy.template plan<S>(budget, book.layers());  // every layer is due, in the model's order
+    for (Index l : due) plan.add(book.layer(l).describe(inputs_of(l)));
+    selections = plan.apply();
   } else {
     for (Index l : due)
       selections.push_back(policy.template select<S>(book.layer(l).describe(inputs_of(l)), budget, l));
