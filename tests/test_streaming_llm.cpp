@@ -29,7 +29,8 @@ StreamingLLM with_sinks(Index sinks) {
 }
 
 /// The selection of a layer of kv_heads x tokens (keys [Hkv, L, 1] of zeros: StreamingLLM reads only their shape).
-kvevict::Selection select_shape(const StreamingLLM& policy, Index kv_heads, Index tokens, const Budget& budget) {
+template <class P>
+kvevict::Selection select_shape(const P& policy, Index kv_heads, Index tokens, const Budget& budget) {
   const std::vector<float> keys(static_cast<std::size_t>(std::max<Index>(1, kv_heads * tokens)), 0.0f);
   kvevict::LayerInputs<float> in;
   in.keys = kvevict::kv_heads_major<const float>(keys.data(), kv_heads, tokens, 1);
@@ -115,9 +116,18 @@ TEST_CASE("StreamingLLM errors", "[streaming][errors]") {
                          MessageContains("kvevict::StreamingLLM::Params: window must be >= 0, got -1"));
   p.window = 4;
   REQUIRE_THROWS_MATCHES(
-      select_shape(StreamingLLM(p), 2, 10, Budget::tokens(6)), kvevict::invalid_argument,
+      StreamingLLM(p), kvevict::invalid_argument,
       MessageContains(
-          "kvevict::StreamingLLM::select: a positional policy observes no window: window must be 0, got 4"));
+          "kvevict::StreamingLLM::Params: a positional policy observes no window: window must be 0, got 4"));
+  // The same for any composition over RecencySelector, whose window defaults to 0 too.
+  using Composed = kvevict::Policy<kvevict::AdaKV, kvevict::RecencySelector>;
+  CHECK(Composed().params().window == 0);
+  CHECK(kvevict_test::kept_of(select_shape(kvevict::Policy<kvevict::UniformAllocation, kvevict::RecencySelector>(), 2,
+                                           12, Budget::tokens(6))) == Kept{{0, 1, 2, 3, 10, 11}, {0, 1, 2, 3, 10, 11}});
+  Composed::Params cp;
+  cp.window = 32;
+  REQUIRE_THROWS_MATCHES(Composed(cp), kvevict::invalid_argument,
+                         MessageContains("a positional policy observes no window: window must be 0, got 32"));
   REQUIRE_THROWS_MATCHES(
       select_shape(s, 2, 10, Budget::keep_ratio(0.05)), kvevict::invalid_argument,
       MessageContains("kvevict::StreamingLLM::select: n_kept must be in [1, 10] (the context length), got 0"));

@@ -6,7 +6,8 @@
 //   layers.{i}.q_window [H, w, d]  or  layers.{i}.window_attention [H, w, L]  (full softmax rows)
 //   layers.{i}.keys [Hkv, L, d], layers.{i}.values [Hkv, L, d] (optional for attention-only policies),
 //   layers.{i}.w_o [D, H*d] (value-aware policies only)
-//   dtypes F64, F32, F16, BF16; keys and values also I8, F8_E4M3 or F8_E5M2 (a quantized cache), each with an
+//   dtypes F64, F32, F16, BF16 (keys and values in one dtype, the same in every layer: the cache's); keys and
+//   values also I8, F8_E4M3 or F8_E5M2 (a quantized cache), each with an
 //   optional F32 layers.{i}.keys_scale / values_scale: [] (one factor), [L] or [Hkv, L] (docs/algorithms.md#quantized)
 //   Ragged layers (docs/algorithms.md#ragged), both optional, I64 or I32:
 //   layers.{i}.lengths [Hkv]      head h holds rows [0, lengths[h]) of keys and values (the rest is padding);

@@ -13,6 +13,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kvevict/kvevict.hpp"
@@ -102,11 +103,15 @@ struct LayerTensors {
 
   /// The tensor `name` of the file as a contiguous kvevict_tensor (host byte order: the file's little-endian bytes
   /// as they are, so a big-endian host would misread them); an absent tensor is left empty (data NULL).
-  kvevict_tensor tensor(const st::file& in, const std::string& name, bool cache) {
+  /// `cache`: keys or values (quantized dtypes allowed); `scale`: a quantized cache's F32 scale.
+  kvevict_tensor tensor(const st::file& in, const std::string& name, bool cache, bool scale = false) {
     kvevict_tensor out{};
     const st::tensor_info* t = in.find(name);
     if (!t) return out;
     const std::optional<kvevict_dtype> dtype = runtime_dtype(t->type);
+    if (!dtype && scale)
+      throw input_error("tensor '" + name + "' has dtype " + st::dtype_name(t->type) +
+                        "; expected F32 dequantisation factors");
     if (!dtype)
       throw input_error("tensor '" + name + "' has dtype " + st::dtype_name(t->type) +
                         "; expected F64, F32, F16 or BF16" +
@@ -141,8 +146,8 @@ inline LayerTensors load_layer(const st::file& in, Index layer) {
   l.q_window = t.tensor(in, prefix + "q_window", false);
   l.window_attention = t.tensor(in, prefix + "window_attention", false);
   l.w_o = t.tensor(in, prefix + "w_o", false);
-  l.keys_scale = t.tensor(in, prefix + "keys_scale", false);
-  l.values_scale = t.tensor(in, prefix + "values_scale", false);
+  l.keys_scale = t.tensor(in, prefix + "keys_scale", false, /*scale=*/true);
+  l.values_scale = t.tensor(in, prefix + "values_scale", false, /*scale=*/true);
   if (l.keys.rank != 3 || l.keys.shape[0] < 1 || l.keys.shape[1] < 1 || l.keys.shape[2] < 1)
     return t;  // the runtime refuses these keys before it reads lengths or positions
   const Index Hkv = l.keys.shape[0], L = l.keys.shape[1];
@@ -170,8 +175,11 @@ inline LayerTensors load_layer(const st::file& in, Index layer) {
 /// kvevict::invalid_argument (bad tensors), usage_error (options that do not fit the data).
 inline std::vector<kvevict::Selection> select_layers(const Options& opt, const st::file& in) {
   const Index n_layers = count_layers(in);
+  static_assert(std::is_nothrow_move_constructible_v<LayerTensors>,
+                "growing `tensors` must move each layer's buffers, which `layers` points into, not copy them");
   std::vector<LayerTensors> tensors;
   std::vector<kvevict_layer> layers;
+  tensors.reserve(static_cast<std::size_t>(n_layers));
   for (Index i = 0; i < n_layers; ++i) {
     tensors.push_back(load_layer(in, i));
     layers.push_back(tensors.back().layer);  // points into buffers that moving `tensors` keeps in place

@@ -268,7 +268,8 @@ std::string usage_text() {
          options +
          "input per layer i: layers.{i}.q_window [H,w,d] or layers.{i}.window_attention [H,w,L] (not for the\n"
          "key-only knorm, keydiff and streamingllm), layers.{i}.keys [Hkv,L,d], layers.{i}.values [Hkv,L,d],\n"
-         "layers.{i}.w_o [D,H*d] (value-aware selectors); F64/F32/F16/BF16.\n"
+         "layers.{i}.w_o [D,H*d] (value-aware selectors); F64/F32/F16/BF16 (keys and values in one dtype, the\n"
+         "same in every layer).\n"
          "quantized caches: keys and values in I8/F8_E4M3/F8_E5M2, optional F32 layers.{i}.keys_scale and\n"
          "layers.{i}.values_scale of shape [] (one factor), [L] (per token) or [Hkv,L] (per KV head and token).\n"
          "ragged layers (optional, I64/I32): layers.{i}.lengths [Hkv] (head h holds rows 0..lengths[h]-1 of keys and\n"

@@ -159,6 +159,15 @@ struct reads_queries : std::false_type {};
 template <class T>
 struct reads_queries<T, std::void_t<decltype(T::reads_queries())>> : std::bool_constant<T::reads_queries()> {};
 
+/// Whether a Selector keeps an observation window (the last `window` entries, above every score): true unless it
+/// declares
+///   static constexpr bool has_window() { return false; }   // positional (RecencySelector)
+/// A policy over such a selector has window 0 (its default; any other value is refused at construction).
+template <class T, class = void>
+struct has_window : std::true_type {};
+template <class T>
+struct has_window<T, std::void_t<decltype(T::has_window())>> : std::bool_constant<T::has_window()> {};
+
 /// An Allocation whose budget spans the model's layers (LayerGlobalAllocation) declares
 ///   template <class S> std::vector<std::vector<Index>> allocate_model(const std::vector<const ScoreMap<S>*>& layers,
 ///                                                                    Index total) const;

@@ -55,9 +55,13 @@ class Policy {
   /// All the numbers of the policy in one flat struct, with the papers' defaults and the base's allocation
   /// defaults (e.g. `AdaKV::Params p; p.window = 16; p.alpha = 0.1;`).
   struct Params : ScoringParams, Allocation::Params, SelectorType::Params {
-    Params() : Allocation::Params(allocation_defaults()) {}
+    Params() : Allocation::Params(allocation_defaults()) {
+      if constexpr (!detail::has_window<SelectorType>::value) window = 0;
+    }
     void validate(const char* where) const {
       ScoringParams::validate(where, reads_observation() ? 1 : 0);
+      if constexpr (!detail::has_window<SelectorType>::value)
+        detail::require(window == 0, where, "a positional policy observes no window: window must be 0, got ", window);
       Allocation::Params::validate(where);
       SelectorType::Params::validate(where);
     }

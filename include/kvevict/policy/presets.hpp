@@ -24,12 +24,6 @@ inline namespace KVEVICT_ABI_NAMESPACE {  // core/config.hpp: code that depends 
 class StreamingLLM : public Policy<UniformAllocation, RecencySelector> {
  public:
   static constexpr const char* type_name = "StreamingLLM";
-  struct Params : Policy::Params {
-    Params() {
-      window = 0;
-      kernel = 1;
-    }
-  };
   explicit StreamingLLM(const Params& p = Params{}) : Policy(p, type_name) {}
 };
 

@@ -26,8 +26,9 @@ class RecencySelector {
   RecencySelector() = default;
   explicit RecencySelector(const Params& params) : sinks_(params.sinks) {}
 
-  /// Positional: a policy over it takes layers without an observation window (window 0).
+  /// Positional: a policy over it reads no observation and keeps no window (its window is 0).
   static constexpr bool reads_observation() { return false; }
+  static constexpr bool has_window() { return false; }
   bool reads_values() const { return false; }
 
   template <class S>
@@ -37,12 +38,10 @@ class RecencySelector {
 
   void adjust_budget(extend::LayerBudget&, const extend::LayerShape&, const ScoringParams&, const char*) const {}
 
-  /// The recency map of the layer of `shape`; throws unless the policy's window is 0 (StreamingLLM observes none).
+  /// The recency map of the layer of `shape` (the policy's window is 0: Policy checks it).
   template <class S, class In>
-  Layer<S> score(const In&, const extend::LayerShape& shape, const ScoringParams& common,
-                 const extend::LayerBudget& budget, const char* where) const {
-    detail::require(common.window == 0, where, "a positional policy observes no window: window must be 0, got ",
-                    common.window);
+  Layer<S> score(const In&, const extend::LayerShape& shape, const ScoringParams&, const extend::LayerBudget& budget,
+                 const char*) const {
     Layer<S> layer{extend::ScoreMap<S>(shape)};
     extend::ScoreMap<S>& m = layer.allocation;
     for (Index h = 0; h < shape.kv_heads; ++h) {
