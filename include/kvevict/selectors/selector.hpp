@@ -8,6 +8,7 @@
 ///   explicit Selector(const Params&);
 ///   bool reads_values() const;  // whether score() reads LayerInputs::values and w_o
 ///   static constexpr bool reads_observation();  // optional, default true: false for key-only scores
+///   static constexpr bool has_window();         // optional, default true: false for positional scores (window 0)
 ///   static constexpr bool reads_queries();      // optional, default false: true when attention rows will not do
 ///   template <class S> struct Layer { ScoreMap<S> allocation; ... };  // state between the two phases
 ///   void adjust_budget(LayerBudget&, const LayerShape&, const ScoringParams&, const char* where) const;
