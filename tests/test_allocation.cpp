@@ -143,7 +143,7 @@ TEST_CASE("head-adaptive allocation (original AdaKV repo) equals reference adakv
         }
 }
 
-TEST_CASE("kvpress safeguard: exactly n_safe = int(n_kept * alpha) entries per head are forced, its top ones",
+TEST_CASE("kvpress safeguard: exactly n_safe = int(n_kept * alpha) entries per head are safeguarded, its top ones",
           "[allocation]") {
   Rng rng(74);
   struct S {
@@ -164,13 +164,13 @@ TEST_CASE("kvpress safeguard: exactly n_safe = int(n_kept * alpha) entries per h
     CHECK(std::accumulate(budgets.begin(), budgets.end(), Index(0)) == 3 * t.n_kept);
     const ScoreMap<double> fresh = map_of(c);
     for (Index h = 0; h < 3; ++h) {
-      Index forced = 0;
-      for (Index j = 0; j < c.L; ++j) forced += m.tier_of(h, j) == Tier::forced ? 1 : 0;
-      CHECK(forced == t.n_safe);
+      Index safe = 0;
+      for (Index j = 0; j < c.L; ++j) safe += m.tier_of(h, j) == Tier::safeguard ? 1 : 0;
+      CHECK(safe == t.n_safe);
       KeepFlags top(m.score.size(), 0);
       kvevict::extend::top_k_of_head(fresh, h, t.n_safe, top);
       for (Index j = 0; j < c.L; ++j)
-        if (top[fresh.flat(h, j)]) CHECK(m.tier_of(h, j) == Tier::forced);
+        if (top[fresh.flat(h, j)]) CHECK(m.tier_of(h, j) == Tier::safeguard);
       CHECK(budgets[sz(h)] >= t.n_safe);
     }
   }

@@ -66,11 +66,11 @@ TEST_CASE("allocate_layer_global: one top-k over all layers, tiers first, ties b
   CHECK(allocate(maps, 4) == Budgets{{0, 1}, {3}});
   CHECK(allocate(maps, 6) == Budgets{{1, 2}, {3}});
   CHECK(allocate(maps, 10) == Budgets{{3, 3}, {4}});
-  // Promoted entries (forced or window, any tier above scored) come first whatever their score, ranked among
-  // themselves by position, then layer, then head -- forced and window are one class here (+infinity).
-  maps[0].promote(0, 1, Tier::forced);               // L0 h0 j1 (.1)
-  maps[1].promote(0, 2, Tier::window);               // L1 j2 (.05)
-  CHECK(allocate(maps, 1) == Budgets{{0, 0}, {1}});  // position 2 beats position 1
+  // Promoted entries come first whatever their score, in the tiers of every top-k: the window (even older), then
+  // the forced entries, then the scored ones (docs/algorithms.md#ties).
+  maps[0].promote(0, 1, Tier::forced);               // L0 h0 j1 (.1), position 1
+  maps[1].promote(0, 0, Tier::window);               // L1 j0 (.6), position 0
+  CHECK(allocate(maps, 1) == Budgets{{0, 0}, {1}});  // the window beats the more recent forced entry
   CHECK(allocate(maps, 2) == Budgets{{1, 0}, {1}});
   CHECK(allocate(maps, 3) == Budgets{{1, 1}, {1}});  // then .9
   // Exact ties between layers and heads: position first, then the lower layer, then the lower head.

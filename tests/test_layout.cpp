@@ -1,11 +1,14 @@
 // docs/algorithms.md#layouts on every catalogue policy: shared selections are identical across the shared
-// heads (and layers), never over the budget, block selections are whole blocks plus each head's tail, and the
-// compaction plans reproduce compact(). The float64 reference comparison is in test_layout_reference.cpp.
+// heads (and layers), never over the budget, block selections are whole blocks plus each head's tail, the window
+// is never cut for a group's forced entries, and the compaction plans reproduce compact(). The float64 reference
+// comparison is in test_layout_reference.cpp.
 #include <catch2/catch.hpp>
 
 #include <kvevict/extend.hpp>
 
+#include <algorithm>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "support/matchers.hpp"
@@ -30,9 +33,35 @@ std::vector<std::int64_t> head_rows(const Selection& s, Index h) {
   return {r.begin(), r.end()};
 }
 
+/// The rows at the end of each head that the policy keeps in its window tier: the window (OpenDefensiveKV's open
+/// window keeps only the newest entry first; key-only and positional policies have window 0).
+template <class Params>
+Index kept_window(const Params& p) {
+  if constexpr (std::is_base_of_v<kvevict::DefensiveSelector::Params, Params>)
+    return p.open_window ? std::min<Index>(p.window, 1) : p.window;
+  else
+    return p.window;
+}
+
+/// docs/algorithms.md#layouts, "window first": a group that keeps at least as many whole blocks as its last
+/// `window` rows span past its tail keeps all of those rows, whatever its members force. "" or the problem.
+std::string window_errors(const Selection& s, Index h, Index L, Index B, Index window) {
+  const auto rows = head_rows(s, h);
+  const Index U = L / B, tail = L - U * B;
+  const Index in_blocks =
+      static_cast<Index>(std::count_if(rows.begin(), rows.end(), [&](std::int64_t j) { return j < U * B; })) / B;
+  const Index window_blocks = (std::max<Index>(0, window - tail) + B - 1) / B;
+  if (in_blocks < window_blocks) return "";  // too small a share to hold the window
+  for (Index j = L - window; j < L; ++j)
+    if (!std::binary_search(rows.begin(), rows.end(), static_cast<std::int64_t>(j)))
+      return "head " + std::to_string(h) + " keeps " + std::to_string(in_blocks) + " whole blocks but not window row " +
+             std::to_string(j);
+  return "";
+}
+
 /// Checks the docs/algorithms.md#layouts invariants of one model's selections; returns "" or the first problem.
 std::string layout_errors(const std::vector<Selection>& sels, const kvevict::LayoutParams& layout, Index L, Index n,
-                          kvevict::BudgetScope scope) {
+                          kvevict::BudgetScope scope, Index window) {
   const Index B = layout.block;
   Index model_total = 0;
   for (std::size_t l = 0; l < sels.size(); ++l) {
@@ -52,6 +81,8 @@ std::string layout_errors(const std::vector<Selection>& sels, const kvevict::Lay
           return "layer " + std::to_string(l) + " head " + std::to_string(h) + " keeps part of block " +
                  std::to_string(u);
       if (in_block[static_cast<std::size_t>(U)] != L - U * B) return "the tail is not kept whole";
+      if (const std::string w = window_errors(s, h, L, B, window); !w.empty())
+        return "layer " + std::to_string(l) + " " + w;
       if (B > 1) {
         const auto blocks = s.head_blocks(h);
         std::vector<std::int64_t> want;
@@ -116,10 +147,56 @@ TEST_CASE("layout: every policy x sharing x block x reduce keeps shared, whole-b
             const std::vector<Selection> sels = kvevict::select_layers(policy, layers, Budget::tokens(n));
             REQUIRE(sels.size() == 3);
             for (const Selection& x : sels) REQUIRE(kvevict_test::structure_errors(x, s.Hkv, s.L) == "");
-            CHECK(layout_errors(sels, policy.params(), s.L, n, e.scope) == "");
+            CHECK(layout_errors(sels, policy.params(), s.L, n, e.scope, kept_window(policy.params())) == "");
           });
         }
   }
+}
+
+TEST_CASE("layout: an engine's page table keeps every head's window, and one layer of LayerDefensiveKV is DefensiveKV",
+          "[layout]") {
+  // Issue 34's engine-author check: with 128 of 256 entries per head, DefensiveKV's mass-forced entries (up to
+  // n_kept - w per head) overflow a group shared by two KV heads, or a head's blocks of 16. The window comes first,
+  // then the forced entries by their own scores.
+  Rng rng(8084);
+  const Shape s{8, 2, 32, 256, 64};
+  const auto st = kvevict_test::store_v<float>(kvevict_test::random_vlayer(s, 64, rng), Layout::heads_major);
+  const std::vector<kvevict::LayerInputs<float>> layers{st.in, st.in};  // per_model: two layers alike
+  struct Case {
+    Sharing share;
+    Index block;
+  };
+  for (const Case c : {Case{Sharing::per_layer, 1}, Case{Sharing::per_head, 16}, Case{Sharing::per_layer, 16},
+                       Case{Sharing::per_model, 16}})
+    for (Reduce reduce : {Reduce::max, Reduce::mean}) {
+      kvevict::Knobs k;
+      k.window = s.w;
+      k.share = c.share;
+      k.block = c.block;
+      k.reduce = reduce;
+      kvevict::catalogue::for_each(kvevict::catalogue::entries(), [&](const auto& e) {
+        INFO(e.name << " share " << kvevict::to_string(c.share) << " block " << c.block << " reduce "
+                    << kvevict::to_string(reduce));
+        const auto policy = e.make(k);
+        const Index window = kept_window(policy.params());
+        for (const Selection& x : kvevict::select_layers(policy, layers, Budget::tokens(128)))
+          for (Index h = 0; h < s.Hkv; ++h) {
+            const auto rows = head_rows(x, h);
+            for (Index j = s.L - window; j < s.L; ++j)
+              REQUIRE(std::binary_search(rows.begin(), rows.end(), static_cast<std::int64_t>(j)));
+          }
+      });
+      if (c.share == Sharing::per_model) continue;  // one layer of a model shared across layers is no model
+      kvevict::DefensiveKV::Params d;
+      d.window = s.w;
+      d.share = c.share;
+      d.block = c.block;
+      d.reduce = reduce;
+      kvevict::LayerDefensiveKV::Params g;
+      static_cast<kvevict::ScoringParams&>(g) = d;
+      CHECK(kvevict::DefensiveKV(d).select(st.in, Budget::tokens(128)).indices() ==
+            kvevict::LayerDefensiveKV(g).select(st.in, Budget::tokens(128)).indices());
+    }
 }
 
 TEST_CASE("layout: a group of one KV head is per_head, and block 1 per_head is the default", "[layout]") {

@@ -68,9 +68,10 @@ std::vector<Ragged> random_model(Rng& rng, int NL, int H, int Hkv, int w, int d,
   return layers;
 }
 
-/// When the library and the reference differ, whether every difference is a swap between blocks whose reference
-/// scores tie within rounding (1e-12 relative; mean reductions of scores computed in another order can tie exactly
-/// in value yet differ in the last bit). Returns false for any other difference.
+/// When the library and the reference differ, whether every difference is a swap between blocks of one ranked tier
+/// (scored, or forced: ranked by score too) whose reference scores tie within rounding (1e-12 relative; mean
+/// reductions of scores computed in another order can tie exactly in value yet differ in the last bit). Returns
+/// false for any other difference.
 bool near_tie_swap(const std::vector<ref::KeptRows>& got, const std::vector<ref::KeptRows>& want, lref::Method m,
                    const std::vector<Ragged>& model, const std::vector<std::int64_t>& n_kept,
                    const lref::MethodParams& p, const lref::Layout& layout) {
@@ -83,6 +84,7 @@ bool near_tie_swap(const std::vector<ref::KeptRows>& got, const std::vector<ref:
     const auto& b = want[l][h];
     if (a == b) continue;
     std::vector<double> only_got, only_want;
+    int tier = -1;  // the tier of every differing block
     for (const lref::ModelMap* map : {&maps.alloc, &maps.stage2}) {
       if (map->empty()) continue;
       const lref::Blocks blocks =
@@ -92,7 +94,8 @@ bool near_tie_swap(const std::vector<ref::KeptRows>& got, const std::vector<ref:
           return std::find(rows.begin(), rows.end(), x.id * layout.block) != rows.end();
         };
         if (rows_in(a) == rows_in(b)) continue;
-        if (x.tier != lref::kScored) return false;
+        if ((x.tier != lref::kScored && x.tier != lref::kForced) || (tier >= 0 && x.tier != tier)) return false;
+        tier = x.tier;
         (rows_in(a) ? only_got : only_want).push_back(x.score);
       }
     }

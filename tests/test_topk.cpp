@@ -80,16 +80,20 @@ TEST_CASE("ScoreMap: construction, with_window, flat indexing", "[topk][score_ma
   }
 }
 
-TEST_CASE("ScoreMap::promote only moves entries up and clears their score", "[topk][score_map]") {
+TEST_CASE("ScoreMap::promote only moves entries up: a forced entry keeps its score, a window entry's is cleared",
+          "[topk][score_map]") {
   ScoreMap<double> m(1, 3);
   m.at(0, 0) = 0.5;
+  m.promote(0, 0, Tier::forced);
+  CHECK(m.tier_of(0, 0) == Tier::forced);
+  CHECK(m.at(0, 0) == 0.5);  // forced entries rank among themselves by score
   m.promote(0, 0, Tier::window);
   CHECK(m.tier_of(0, 0) == Tier::window);
   CHECK(m.at(0, 0) == 0.0);
-  m.promote(0, 0, Tier::forced);
-  CHECK(m.tier_of(0, 0) == Tier::forced);
-  m.promote(0, 0, Tier::window);  // never down
-  CHECK(m.tier_of(0, 0) == Tier::forced);
+  m.promote(0, 0, Tier::forced);  // never down
+  CHECK(m.tier_of(0, 0) == Tier::window);
+  m.promote(0, 0, Tier::safeguard);  // an allocation's guarantee ranks above the window
+  CHECK(m.tier_of(0, 0) == Tier::safeguard);
   m.at(0, 1) = 0.25;
   m.promote(0, 1, Tier::scored);  // no-op
   CHECK(m.tier_of(0, 1) == Tier::scored);
@@ -176,12 +180,28 @@ TEST_CASE("tie rule: equal scores go to the more recent token, then to the lower
   CHECK(kvevict::extend::top_k_counts(m, 1) == std::vector<Index>{0, 0, 1});
   m.promote(1, 0, Tier::window);
   CHECK(kvevict::extend::top_k_counts(m, 1) == std::vector<Index>{0, 1, 0});
-  m.promote(0, 1, Tier::forced);
-  CHECK(kvevict::extend::top_k_counts(m, 1) == std::vector<Index>{1, 0, 0});
+  m.promote(0, 1, Tier::forced);  // forced ranks below the window, above every scored entry
+  CHECK(kvevict::extend::top_k_counts(m, 1) == std::vector<Index>{0, 1, 0});
+  CHECK(kvevict::extend::top_k_counts(m, 2) == std::vector<Index>{1, 1, 0});
   CHECK(kvevict::extend::top_k_counts(m, 3) == std::vector<Index>{1, 1, 1});
+  m.promote(2, 3, Tier::safeguard);  // the safeguard ranks above the window
+  CHECK(kvevict::extend::top_k_counts(m, 1) == std::vector<Index>{0, 0, 1});
 }
 
-TEST_CASE("within a tier promoted entries rank by recency only", "[topk]") {
+TEST_CASE("forced entries rank among themselves by score, then by recency", "[topk]") {
+  ScoreMap<double> m(1, 6);
+  for (Index j = 0; j < 6; ++j) m.at(0, j) = j == 3 ? 5.0 : 1.0;
+  for (Index j : {0, 1, 3}) m.promote(0, j, Tier::forced);
+  m.promote(0, 5, Tier::window);
+  KeepFlags keep(6, 0);
+  kvevict::extend::top_k_of_head(m, 0, 2, keep);  // the window, then the best forced entry (token 3: 5.0)
+  CHECK(keep == KeepFlags{0, 0, 0, 1, 0, 1});
+  keep.assign(6, 0);
+  kvevict::extend::top_k_of_head(m, 0, 3, keep);  // then the more recent of the forced tie (token 1)
+  CHECK(keep == KeepFlags{0, 1, 0, 1, 0, 1});
+}
+
+TEST_CASE("within the window tier entries rank by recency only", "[topk]") {
   ScoreMap<double> m(1, 6);
   for (Index j = 0; j < 6; ++j) m.at(0, j) = static_cast<double>(10 - j);
   for (Index j : {0, 2, 4}) m.promote(0, j, Tier::window);

@@ -12,7 +12,8 @@
 // budgets in blocks, the allocations on blocks and the expansion back to rows.
 //
 // Pipeline (docs/algorithms.md#layouts, for each of the selector's maps):
-//   token map   per (layer, KV head, row): a Cell {tier, score}; tiers forced > window > scored (the ragged ones);
+//   token map   per (layer, KV head, row): a Cell {tier, score}; tiers safeguard > window > forced > scored (a forced
+//               row keeps its own score, a window row scores 0; the safeguard is the head-adaptive allocation's);
 //   groups      per_head: each (layer, KV head); per_layer: the Hkv heads of a layer; per_model: every head of every
 //               layer. Members hold the same positions (asserted). Members are listed in (layer, head) order.
 //   reduce      row by row over the members: tier = max member tier; score = max, or the sum in (layer, head) order
@@ -20,20 +21,23 @@
 //   blocks      a group of L rows: U = floor(L / B) whole blocks, block u = rows [uB, uB + B); the tail
 //               r = L - U B rows is always kept and never ranked; a block's tier = max of its rows' tiers, its score
 //               = max, or the sum in row order divided by B (mean), of its rows' reduced scores (compared in the
-//               scored tier only), its position = that of its last row;
-//   ranking     tier desc, then (scored tier only) score desc, then higher position, then lower layer, then lower
-//               group (the KV head for per_head, 0 otherwise): ragged::detail::ranks_before on blocks. A per_model
-//               group is layer 0, group 0. In the layer-global step forced and window are one tier;
+//               scored and forced tiers), its position = that of its last row;
+//   ranking     tier desc (safeguard, window, forced, scored), then score desc (scored and forced tiers: a forced block
+//   ranks
+//               among the forced by its rows' own scores, never by recency alone), then higher position, then
+//               lower layer, then lower group (the KV head for per_head, 0 otherwise). A per_model group is layer 0,
+//               group 0. The layer-global step uses the same order (the window is never cut for forced blocks);
 //   budget      a scope of V groups with the token n_kept per head: T = V n_kept, total = floor((T - sum r_v) / B),
 //               n_blocks = floor(total / V); B <= n_kept (asserted);
 //   allocate    uniform: b_v = min(n_blocks, U_v), the group's top b_v blocks;
-//               head-adaptive (kvpress): each group's top min(int(n_blocks alpha), U_v) blocks promoted to forced,
+//               head-adaptive (kvpress): each group's top min(int(n_blocks alpha), U_v) blocks promoted to the
+//               safeguard tier,
 //               then one flat top-k of `total` over every block of the scope;
 //               original AdaKV: see adakv_original() below (w_b blocks of window);
 //               layer-global: one top-k over every block of every group of every layer (see select_maps());
 //               CriticalKV: with b_v from the base allocation, stage 1 the group's top int(b_v ratio) blocks by the
 //               allocation map (after the safeguard promotion), stage 2 the best b_v - stage 1 of the others by the
-//               stage-2 map, in which the blocks forced in the allocation map are forced;
+//               stage-2 map, in which the allocation map's safeguard blocks are safeguard blocks;
 //   expand      every member head of a group keeps the rows of the group's kept blocks and the tail rows.
 //
 // Scopes: for a per-layer allocation one layer (V = Hkv groups for per_head, 1 for per_layer), for per_model the
@@ -47,8 +51,11 @@
 //     so one budget resolves to one n_kept, and the policy has one window.
 //   - A block's mean is taken over the group's reduced row scores (reduce the group first, then the block), both
 //     sums in order (members in (layer, head) order, rows ascending), each divided once.
-//   - Forced/window cells carry a dummy score (0 for the window, the raw score for a forced row); it enters the
-//     group/block max or mean but is never compared, since such a row makes its group row and block non-scored.
+//   - A window cell scores 0, a forced cell its raw score (the row's score before forcing); both enter the
+//     group/block max or mean. A window block's score is never compared; a forced block's is, against the other
+//     forced blocks: the members' own scores decide which forced blocks a budget too small for all of them keeps.
+//   - The safeguard tier ranks above the window, as the reference's dtype maximum does above its layer maximum: with
+//     n_kept < w it guarantees each head its n_safe most recent entries (the ragged reference's forced tier).
 //   - The head-adaptive safeguard counts whole blocks, window blocks included (they rank first), as the token
 //     safeguard counts the window.
 //   - Original AdaKV: a group's window is its LAST w_b blocks (not its window-tier blocks: with unequal tails a
@@ -56,12 +63,12 @@
 //     n_blocks <= w_b a group keeps its last min(n_blocks, U_v) blocks. Like the token rule, the rounded shares can
 //     exceed T (three groups, counts (1, 1, 4), alpha .5): the "never over the budget" of docs/algorithms.md#layouts
 //     does not hold for this variant.
-//   - StreamingLLM's forced rows are min(sinks, min(n_kept, L)) ROWS; a forced block cut by the budget loses to a
-//     more recent forced block (docs/algorithms.md#ties), so with B > 1 and a budget of fewer blocks than the sinks
-//     span, the most recent sink-holding block is kept, not block 0.
-//   - CriticalKV: the stage-2 map's window rows are in the window tier (corrected mode); its blocks forced in the
-//     (promoted) allocation map are forced in stage 2. CriticalKV on the original or layer-global allocation is not
-//     modelled (asserted).
+//   - StreamingLLM's forced rows are min(sinks, min(n_kept, L)) ROWS scored by their positions; a forced block cut
+//     by the budget loses to a more recent forced block (a higher position scores higher), so with B > 1 and a
+//     budget of fewer blocks than the sinks span, the most recent sink-holding block is kept, not block 0.
+//   - CriticalKV: the stage-2 map's window rows are in the window tier (corrected mode); the (promoted) allocation
+//     map's safeguard blocks are safeguard blocks in stage 2. CriticalKV on the original or layer-global allocation is
+//     not modelled (asserted).
 //   - Ranking identity of a group: per_head (layer, KV head), per_layer (layer, 0), per_model (0, 0).
 #ifndef KVEVICT_TESTS_SUPPORT_REFERENCE_LAYOUT_HPP
 #define KVEVICT_TESTS_SUPPORT_REFERENCE_LAYOUT_HPP
@@ -83,10 +90,14 @@ using ragged::KeptRows;
 using ragged::Positions;
 using ragged::Ragged;
 
-// Tiers (the ragged reference's): a higher tier ranks above every entry of a lower tier.
-constexpr int kScored = ragged::detail::kScored;
-constexpr int kWindow = ragged::detail::kWindow;
-constexpr int kForced = ragged::detail::kForced;
+// Tiers: a higher tier ranks above every entry of a lower tier. The safeguard, the window, then the forced rows (the
+// ragged reference has one forced tier above the window for both the safeguard and a selector's forcing: per head a
+// selector's forced entries fit next to the window, so the orders keep the same rows there; under sharing and blocks
+// they do not).
+constexpr int kScored = 0;
+constexpr int kForced = 1;
+constexpr int kWindow = 2;
+constexpr int kSafeguard = 3;
 
 enum class Share { per_head, per_layer, per_model };
 enum class Reduce { max, mean };
@@ -173,14 +184,14 @@ inline std::int64_t i64(std::size_t v) { return static_cast<std::int64_t>(v); }
 
 struct Cell {
   int tier = kScored;
-  double score = 0.0;  // compared in the scored tier only
+  double score = 0.0;  // compared in the scored and forced tiers
 };
 using HeadMap = std::vector<Cell>;       // [L_h]
 using LayerMap = std::vector<HeadMap>;   // [Hkv]
 using ModelMap = std::vector<LayerMap>;  // [NL]
 
 // A scored layer: prefix rows j < L_h - w scored with scores[h][j], the last w rows in the window tier (score 0,
-// never compared), the rows of forced[h] (prefix rows; forced empty: none) in the forced tier.
+// never compared), the rows of forced[h] (prefix rows; forced empty: none) in the forced tier with their scores.
 inline LayerMap token_map(const Ragged& scores, const Positions& pos, int w, const KeptRows& forced = {}) {
   using detail::sz;
   ragged::detail::check_scores(scores, pos, w);
@@ -306,17 +317,17 @@ inline std::vector<Cell> reduce_group(const Group& g, const ModelMap& map, Reduc
 // One whole block of a group: the candidate of every top-k below.
 struct Block {
   int tier = kScored;
-  double score = 0.0;      // compared in the scored tier only
+  double score = 0.0;      // compared in the scored and forced tiers
   std::int64_t pos = 0;    // the position of its last row
   std::int64_t layer = 0;  // the group's layer (per_model: 0)
   std::int64_t group = 0;  // the group's index in its layer (per_head: the KV head; otherwise 0)
   std::int64_t id = 0;     // u: rows [uB, uB + B)
 };
 
-// Tier desc, then (scored tier) score desc, then higher position, then lower layer, then lower group.
+// Tier desc, then (scored and forced tiers) score desc, then higher position, then lower layer, then lower group.
 inline bool ranks_before(const Block& a, const Block& b) {
   if (a.tier != b.tier) return a.tier > b.tier;
-  if (a.tier == kScored && a.score != b.score) return a.score > b.score;
+  if (a.tier != kWindow && a.score != b.score) return a.score > b.score;
   if (a.pos != b.pos) return a.pos > b.pos;
   if (a.layer != b.layer) return a.layer < b.layer;
   if (a.group != b.group) return a.group < b.group;
@@ -448,12 +459,12 @@ inline KeptBlocks uniform(const std::vector<Blocks>& scope, std::int64_t n_block
   return kept;
 }
 
-// The head-adaptive safeguard: each group's top min(int(n_blocks alpha), U_v) blocks go to the forced tier.
+// The head-adaptive safeguard: each group's top min(int(n_blocks alpha), U_v) blocks go to the safeguard tier.
 inline std::vector<Blocks> promote_safeguard(std::vector<Blocks> scope, std::int64_t n_blocks, double alpha) {
   assert(alpha >= 0.0 && alpha <= 1.0);
   const std::int64_t n_safe = detail::py_int(static_cast<double>(n_blocks) * alpha);
   for (Blocks& g : scope)
-    for (const Block& t : top_k(g.blocks, std::min(n_safe, g.U))) g.blocks[detail::sz(t.id)].tier = kForced;
+    for (const Block& t : top_k(g.blocks, std::min(n_safe, g.U))) g.blocks[detail::sz(t.id)].tier = kSafeguard;
   return scope;
 }
 
@@ -519,7 +530,7 @@ inline KeptBlocks adakv_original(const std::vector<Blocks>& scope, std::int64_t 
 // CriticalKV's two stages inside each group's budget b_v. `alloc`: the allocation map's blocks AFTER the safeguard
 // promotion (the map the base allocated on); `stage2`: the stage-2 map's blocks (same groups, same cut). Stage 1:
 // the top int(b_v ratio) blocks by `alloc`; stage 2: the best b_v - stage 1 of the others by `stage2`, in which every
-// block forced in `alloc` is forced.
+// safeguard block of `alloc` is a safeguard block.
 inline KeptBlocks critical(const std::vector<Blocks>& alloc, const std::vector<Blocks>& stage2,
                            const std::vector<std::int64_t>& budgets, double ratio) {
   using detail::sz;
@@ -540,7 +551,7 @@ inline KeptBlocks critical(const std::vector<Blocks>& alloc, const std::vector<B
     std::vector<Block> rest;
     for (Block x : stage2[v].blocks) {
       if (taken[sz(x.id)]) continue;
-      if (alloc[v].blocks[sz(x.id)].tier == kForced) x.tier = kForced;
+      if (alloc[v].blocks[sz(x.id)].tier == kSafeguard) x.tier = kSafeguard;
       rest.push_back(x);
     }
     for (const Block& x : top_k(rest, b - k1)) kept[v].push_back(x.id);
@@ -549,14 +560,9 @@ inline KeptBlocks critical(const std::vector<Blocks>& alloc, const std::vector<B
   return kept;
 }
 
-// Layer-global: forced and window blocks form one tier above every scored block; one top-k of `total` over every
-// block of every group given (every group of every layer).
-inline KeptBlocks layer_global(std::vector<Blocks> all, std::int64_t total) {
-  for (Blocks& g : all)
-    for (Block& b : g.blocks)
-      if (b.tier != kScored) b.tier = kWindow;  // non-scored alike
-  return flat_top_k(all, total);
-}
+// Layer-global: one top-k of `total` over every block of every group given (every group of every layer), in the
+// same order as every other top-k (the window, then forced blocks by score, then scored blocks).
+inline KeptBlocks layer_global(const std::vector<Blocks>& all, std::int64_t total) { return flat_top_k(all, total); }
 
 // =============================================================================================
 // Expansion (docs/algorithms.md#layouts step 5).

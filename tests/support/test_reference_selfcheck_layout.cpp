@@ -118,8 +118,10 @@ TEST_CASE("layout reference: reducing a group takes the highest tier and the max
   CHECK(heads[2].layer == 1);
   CHECK(heads[2].index == 0);
   CHECK(ly::reduce_group(heads[2], map, Reduce::mean)[0].score == 0.125);
-  // A forced row of one member forces the group's row.
+  // A forced row of one member forces the group's row, unless another member has it in its window (window first).
   map[1][0][0].tier = ly::kForced;
+  CHECK(ly::reduce_group(model[0], map, Reduce::max)[0].tier == ly::kWindow);
+  map[0][1][0].tier = ly::kScored;
   CHECK(ly::reduce_group(model[0], map, Reduce::max)[0].tier == ly::kForced);
 }
 
@@ -234,6 +236,26 @@ TEST_CASE("layout reference: per_layer max and mean keep different tokens", "[re
         Model{{{1, 4}, {1, 4}}});
   CHECK(ly::select_maps(mf, {2}, alloc(Allocation::head_adaptive), layout(Share::per_head, Reduce::max, 1)) ==
         Model{{{0, 4}, {1, 4}}});
+}
+
+// Window first, then the forced rows by score (issue 34's ruling, docs/algorithms.md#layouts): two heads, w = 1,
+// L = 6, head scores [.1 .9 .2 .3 .4] and [.8 .1 .5 .2 .6], head 0 forcing rows {0, 1}, head 1 rows {2, 3}. Shared,
+// the group forces the union {0, 1, 2, 3} (max .8 .9 .5 .3, mean .45 .5 .35 .25), more than n_kept 3 can hold next to
+// the window row 5: the window, then the two best forced rows, {0, 1, 5}, with either reduction (forced above the
+// window and cut by recency would have kept {1, 2, 3} and lost the window). The layer-global step keeps the same.
+// Blocks of 2 (per_layer, n_kept 4, no tail): blocks 0-1 forced (max .9, mean .475), 2-3 forced (max .5, mean .3),
+// 4-5 window; two blocks: the window block and the better forced one, {0, 1, 4, 5} (by recency: {0, 1, 2, 3}).
+TEST_CASE("layout reference: a shared group keeps its window, then its best forced rows", "[reference]") {
+  const HandLayer l{{{0.1, 0.9, 0.2, 0.3, 0.4}, {0.8, 0.1, 0.5, 0.2, 0.6}}, same_positions(2, 6), 1, {{0, 1}, {2, 3}}};
+  const ly::Maps m = hand_maps({l});
+  for (Reduce reduce : {Reduce::max, Reduce::mean})
+    for (Allocation a : {Allocation::uniform, Allocation::head_adaptive, Allocation::layer_global}) {
+      INFO("reduce " << static_cast<int>(reduce) << " allocation " << static_cast<int>(a));
+      CHECK(ly::select_maps(m, {3}, alloc(a), layout(Share::per_layer, reduce, 1)) == Model{{{0, 1, 5}, {0, 1, 5}}});
+    }
+  for (Reduce reduce : {Reduce::max, Reduce::mean})
+    CHECK(ly::select_maps(m, {4}, alloc(Allocation::uniform), layout(Share::per_layer, reduce, 2)) ==
+          Model{{{0, 1, 4, 5}, {0, 1, 4, 5}}});
 }
 
 // (b) L = 10, B = 4, w = 2, positions = rows, scores as in the cutting test: block 0 (max .875, mean .3125), block

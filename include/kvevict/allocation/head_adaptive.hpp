@@ -32,7 +32,7 @@ struct HeadAdaptiveAllocation {
   const Params& params() const { return params_; }
 
   /// Per-head budgets [kv_heads], summing to budget.total (kvpress variant). The kvpress variant promotes each
-  /// head's top int(n_kept * alpha) entries to the forced tier of `scores`, so that the per-head selection that
+  /// head's top int(n_kept * alpha) entries to the safeguard tier of `scores`, so that the per-head selection that
   /// follows reproduces the flat top-k exactly.
   template <class S>
   std::vector<Index> allocate(extend::ScoreMap<S>& scores, const extend::LayerBudget& budget) const {
@@ -45,7 +45,7 @@ struct HeadAdaptiveAllocation {
       for (std::size_t f = 0; f < safe.size(); ++f)
         if (safe[f])
           scores.promote(static_cast<Index>(f) / scores.tokens, static_cast<Index>(f) % scores.tokens,
-                         extend::Tier::forced);
+                         extend::Tier::safeguard);
     }
     return extend::top_k_counts(scores, budget.total);
   }

@@ -12,10 +12,10 @@
 
 namespace kvevict::extend {
 
-/// Per-(layer, KV head) budgets from one top-k of `total` entries over all layers' maps. Order: entries above the
-/// scored tier first (forced and window tokens: +infinity, always kept while they fit), then score descending, then
-/// the more recent token (higher original position), the lower layer, the lower KV head (docs/algorithms.md#ties).
-/// Linear expected time.
+/// Per-(layer, KV head) budgets from one top-k of `total` entries over all layers' maps. Order: the tiers of
+/// ScoreMap (the window first, then forced entries, then scored ones), score descending within a tier, then the more
+/// recent token (higher original position), the lower layer, the lower KV head (docs/algorithms.md#ties): the
+/// per-layer order with the layer between the position and the head. Linear expected time.
 template <class S>
 std::vector<std::vector<Index>> allocate_layer_global(const std::vector<const ScoreMap<S>*>& layers, Index total) {
   struct Entry {
@@ -33,9 +33,9 @@ std::vector<std::vector<Index>> allocate_layer_global(const std::vector<const Sc
   auto ranks_before = [&](const Entry& a, const Entry& b) {
     const ScoreMap<S>& ma = *layers[a.layer];
     const ScoreMap<S>& mb = *layers[b.layer];
-    const bool pa = ma.tier[a.flat] != Tier::scored, pb = mb.tier[b.flat] != Tier::scored;
-    if (pa != pb) return pa;
-    if (!pa && ma.score[a.flat] != mb.score[b.flat]) return ma.score[a.flat] > mb.score[b.flat];
+    const Tier ta = ma.tier[a.flat], tb = mb.tier[b.flat];
+    if (ta != tb) return ta > tb;
+    if (ma.score[a.flat] != mb.score[b.flat]) return ma.score[a.flat] > mb.score[b.flat];
     const std::int64_t pa_pos = ma.position_of(a.flat), pb_pos = mb.position_of(b.flat);
     if (pa_pos != pb_pos) return pa_pos > pb_pos;
     if (a.layer != b.layer) return a.layer < b.layer;

@@ -136,7 +136,7 @@ ScoreMap<S> to_units(const std::vector<const ScoreMap<S>*>& maps, const Grouping
       }
       if (reduce == Reduce::mean) block_score /= static_cast<S>(B);
       u.tier[f] = block_tier;
-      u.score[f] = block_tier == Tier::scored ? block_score : S(0);
+      u.score[f] = block_tier == Tier::window ? S(0) : block_score;  // forced blocks rank by their rows' scores
       if (positions) {
         const auto [l, h] = g.members.front();
         u.position[f] = maps[l]->position_of(maps[l]->flat(h, (k + 1) * B - 1));

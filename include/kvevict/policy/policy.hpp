@@ -394,14 +394,7 @@ class Policy {
                       layout.share == Sharing::per_head ? "KV head" : "group", ") exceeds what the ",
                       to_string(layout.share), " groups hold (", entries, ")");
       std::vector<const extend::ScoreMap<S>*> maps;
-      for (L& u : units) {
-        // The layer-global order ranks forced and window entries alike (by recency); so must each group's own
-        // selection, or a group whose share is smaller than its forced blocks would keep other blocks than the
-        // top-k chose (in token mode every non-scored entry always fits, docs/algorithms.md#forcing).
-        for (extend::Tier& t : u.allocation.tier)
-          if (t == extend::Tier::forced) t = extend::Tier::window;
-        maps.push_back(&u.allocation);
-      }
+      for (const L& u : units) maps.push_back(&u.allocation);
       budgets = allocation_.allocate_model(maps, (tokens - tails) / layout.block);
       for (std::size_t u = 0; u < scopes.size(); ++u) {
         detail::select_kept(selector_, units[u], budgets[u], keep);

@@ -11,15 +11,22 @@
 
 namespace kvevict::extend {
 
-/// Entries of a higher tier rank before every entry of a lower tier. Inside the window and forced tiers the
-/// score is ignored (set to 0), so they rank by recency: this is exactly the reference's "pad the window with the
-/// layer maximum" and "scatter the dtype maximum into the safeguard", without magic values. `absent` marks the
-/// padding of a ragged layer (rows beyond a head's L_h, docs/algorithms.md#ragged): never ranked, never kept.
+/// Entries of a higher tier rank before every entry of a lower tier (docs/algorithms.md#ties), without magic values:
+///   safeguard  an allocation's per-head guarantee (AdaKV's top n_safe): the reference's "scatter the dtype maximum",
+///              above everything; it always fits (n_safe <= n_kept)
+///   window     the observation window, by recency (its score is ignored, set to 0): the reference's "pad the window
+///              with the layer maximum"
+///   forced     a selector's forcing (mass forcing, sinks), by its own score, then recency: per head it always fits
+///              next to the window; in a shared group or blocks, where the members' union may not, the best stay and
+///              the window is never cut for them (docs/algorithms.md#layouts)
+/// `absent` marks the padding of a ragged layer (rows beyond a head's L_h, docs/algorithms.md#ragged): never ranked,
+/// never kept.
 enum class Tier : std::uint8_t {
-  absent = 0,  ///< not an entry (the padding beyond a head's L_h)
-  scored = 1,  ///< ranked by score
-  window = 2,  ///< the observation window (kept before any scored token)
-  forced = 3   ///< forced by a safeguard or a selector's first stage (kept first)
+  absent = 0,    ///< not an entry (the padding beyond a head's L_h)
+  scored = 1,    ///< ranked by score
+  forced = 2,    ///< forced by a selector (mass forcing, sinks): kept before any scored entry
+  window = 3,    ///< the observation window: kept before any forced entry
+  safeguard = 4  ///< an allocation's per-head guarantee (AdaKV's safeguard): kept first
 };
 
 /// Scores and tiers [kv_heads, tokens] of one layer, row-major, flat index f = h * tokens + j (tokens: the longest
@@ -85,13 +92,14 @@ struct ScoreMap {
     return position.empty() ? static_cast<std::int64_t>(f % static_cast<std::size_t>(tokens)) : position[f];
   }
 
-  /// Moves entry (h, j) up to tier t (never down); its score no longer matters.
+  /// Moves entry (h, j) up to tier t (never down). A window entry's score no longer matters (0); any other keeps its
+  /// score (forced entries rank among themselves by it).
   void promote(Index h, Index j, Tier t) {
     const std::size_t f = flat(h, j);
     KVEVICT_ASSERT(tier[f] != Tier::absent);
     if (t > tier[f]) {
       tier[f] = t;
-      score[f] = S(0);
+      if (t == Tier::window) score[f] = S(0);
     }
   }
 

@@ -101,7 +101,7 @@ struct CriticalSelector {
         scored += layer.critical.tier[f] == extend::Tier::scored;
         if (!layer.pending[f]) continue;
         all_pending.push_back(j);
-        if (first[f] || ranking.tier[f] == extend::Tier::forced) continue;
+        if (first[f] || ranking.tier[f] == extend::Tier::safeguard) continue;
         (keep[f] ? rows[static_cast<std::size_t>(h)] : candidates).push_back(j);
       }
       std::vector<Index>& chosen = rows[static_cast<std::size_t>(h)];
@@ -122,9 +122,9 @@ struct CriticalSelector {
     keep.assign(layer.allocation.score.size(), 0);
     extend::ScoreMap<S> second = layer.critical;  // safeguard entries of the allocation stay first in stage 2 too
     for (std::size_t f = 0; f < second.tier.size(); ++f)
-      if (layer.allocation.tier[f] == extend::Tier::forced)
+      if (layer.allocation.tier[f] == extend::Tier::safeguard)
         second.promote(static_cast<Index>(f) / second.tokens, static_cast<Index>(f) % second.tokens,
-                       extend::Tier::forced);
+                       extend::Tier::safeguard);
     for (Index h = 0; h < layer.allocation.heads; ++h) {
       const Index b = budgets[static_cast<std::size_t>(h)];
       const Index first = first_stage(b);
