@@ -410,10 +410,10 @@ Matrix stream(Engine& engine, const RunConfig& run, const tinycode::eval::Tokens
   return logits;
 }
 
-/// The budget of the streaming modes: n = int(1536 * keep) tokens per KV head.
-Index stream_budget(const RunConfig& run) {
-  return static_cast<Index>(
-      kvevict::Budget::keep_ratio(run.keep).n_kept(static_cast<Index>(tinycode::eval::ContinuationTask::context_len)));
+/// The budget of the streaming modes: n = int(context * keep) tokens per KV head, the record's own context length
+/// (1536 bytes for a document, about 1,780 for a passkey record), as oneshot mode gives it.
+Index stream_budget(const RunConfig& run, std::size_t context) {
+  return static_cast<Index>(kvevict::Budget::keep_ratio(run.keep).n_kept(static_cast<Index>(context)));
 }
 
 /// A fresh engine for one configuration of the streaming modes: `context` prefilled in chunks (chunked: evicting
@@ -423,7 +423,7 @@ Matrix run_streaming(const tinycode::Model& model, const Options& opt, const Run
                      const tinycode::eval::Tokens& context, const tinycode::eval::Tokens& after, Outcome& out) {
   Engine engine(model);
   engine.renumber_positions(opt.renumber);
-  const Index n = stream_budget(run);
+  const Index n = stream_budget(run, context.size());
   Matrix logits(static_cast<Index>(context.size() + after.size()), model.config.vocab);
   if (opt.mode == demo::Mode::capped) {
     tinycode::eval::Tokens all = context;
