@@ -155,7 +155,7 @@ TEST_CASE("layout: every policy x sharing x block x reduce keeps shared, whole-b
 
 TEST_CASE("layout: an engine's page table keeps every head's window, and one layer of LayerDefensiveKV is DefensiveKV",
           "[layout]") {
-  // Issue 34's engine-author check: with 128 of 256 entries per head, DefensiveKV's mass-forced entries (up to
+  // An engine author's check: with 128 of 256 entries per head, DefensiveKV's mass-forced entries (up to
   // n_kept - w per head) overflow a group shared by two KV heads, or a head's blocks of 16. The window comes first,
   // then the forced entries by their own scores.
   Rng rng(8084);

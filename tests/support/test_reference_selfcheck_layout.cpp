@@ -238,7 +238,7 @@ TEST_CASE("layout reference: per_layer max and mean keep different tokens", "[re
         Model{{{0, 4}, {1, 4}}});
 }
 
-// Window first, then the forced rows by score (issue 34's ruling, docs/algorithms.md#layouts): two heads, w = 1,
+// Window first, then the forced rows by score (docs/algorithms.md#layouts): two heads, w = 1,
 // L = 6, head scores [.1 .9 .2 .3 .4] and [.8 .1 .5 .2 .6], head 0 forcing rows {0, 1}, head 1 rows {2, 3}. Shared,
 // the group forces the union {0, 1, 2, 3} (max .8 .9 .5 .3, mean .45 .5 .35 .25), more than n_kept 3 can hold next to
 // the window row 5: the window, then the two best forced rows, {0, 1, 5}, with either reduction (forced above the
