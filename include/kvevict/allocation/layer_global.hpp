@@ -13,7 +13,7 @@
 namespace kvevict::extend {
 
 /// Per-(layer, KV head) budgets from one top-k of `total` entries over all layers' maps. Order: the tiers of
-/// ScoreMap (the window first, then forced entries, then scored ones), score descending within a tier, then the more
+/// ScoreMap (safeguard, window, forced, scored), score descending within a tier (0 in the window), then the more
 /// recent token (higher original position), the lower layer, the lower KV head (docs/algorithms.md#ties): the
 /// per-layer order with the layer between the position and the head. Linear expected time.
 template <class S>
