@@ -6,6 +6,7 @@
 #include <kvevict/kvevict.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <vector>
@@ -73,11 +74,18 @@ inline Ragged random_ragged(Rng& rng, int H, int Hkv, int w, int d, int T, doubl
   return r;
 }
 
+/// The score an engine gives the entry of KV head h at original position `pos` (LayerInputs::scores, EngineScores):
+/// a fixed pseudo-random value in [0, 1), so that reading it draws nothing from a test's random stream.
+inline double engine_score(int h, std::int64_t pos) {
+  const double x = std::sin(12.9898 * static_cast<double>(pos + 1) + 78.233 * static_cast<double>(h + 1)) * 43758.5453;
+  return x - std::floor(x);
+}
+
 /// A ragged layer stored in T: keys/values [Hkv, capacity, d] heads-major or [capacity, Hkv, d] tokens-major, the rows
 /// beyond each head's length filled with `junk`; positions likewise (+ `shift`).
 template <class T>
 struct RaggedStored {
-  std::vector<T> k, v, q, w_o;
+  std::vector<T> k, v, q, w_o, scores;  // scores [Hkv, capacity, 1]: engine_score() of each entry
   std::vector<std::int64_t> lengths, positions;
   kvevict::LayerInputs<T> in;
 };
@@ -90,6 +98,7 @@ RaggedStored<T> store(const Ragged& r, kvevict::Index capacity, bool tokens_majo
   s.k.assign(n, junk);
   s.v.assign(n, junk);
   s.positions.assign(static_cast<std::size_t>(r.Hkv * capacity), -7);
+  s.scores.assign(static_cast<std::size_t>(r.Hkv * capacity), junk);
   for (int h = 0; h < r.Hkv; ++h) {
     const auto& head = r.heads[static_cast<std::size_t>(h)];
     s.lengths.push_back(length(r, h));
@@ -97,6 +106,7 @@ RaggedStored<T> store(const Ragged& r, kvevict::Index capacity, bool tokens_majo
       const std::size_t row =
           tokens_major ? static_cast<std::size_t>(j * r.Hkv + h) : static_cast<std::size_t>(h * capacity + j);
       s.positions[row] = head.pos[static_cast<std::size_t>(j)] + shift;
+      s.scores[row] = static_cast<T>(engine_score(h, head.pos[static_cast<std::size_t>(j)]));
       for (int c = 0; c < r.d; ++c) {
         s.k[row * static_cast<std::size_t>(r.d) + static_cast<std::size_t>(c)] =
             static_cast<T>(head.keys[static_cast<std::size_t>(j * r.d + c)]);
@@ -113,6 +123,8 @@ RaggedStored<T> store(const Ragged& r, kvevict::Index capacity, bool tokens_majo
   s.in.values = tokens_major ? kvevict::kv_tokens_major<const T>(s.v.data(), capacity, r.Hkv, r.d)
                              : kvevict::kv_heads_major<const T>(s.v.data(), r.Hkv, capacity, r.d);
   s.in.w_o = kvevict::output_projection<const T>(s.w_o.data(), r.D, r.H, r.d);
+  s.in.scores = tokens_major ? kvevict::HeadsView<const T>::rows_major(s.scores.data(), capacity, r.Hkv, 1)
+                             : kvevict::HeadsView<const T>::heads_major(s.scores.data(), r.Hkv, capacity, 1);
   s.in.lengths = s.lengths.data();
   if (with_positions)
     s.in.positions = tokens_major ? kvevict::positions_tokens_major(s.positions.data(), capacity, r.Hkv)

@@ -43,6 +43,9 @@ using gram_scalar_t = std::conditional_t<std::is_same_v<std::remove_const_t<T>, 
 ///   accumulated optional: [Hkv, >= L_h, 1] the attention each entry has received over the steps so far
 ///             (accumulate_attention(), LayerBook::accumulate()); only H2OSelector reads it (docs/algorithms.md#h2o).
 ///             Empty: H2O scores the attention received from the window queries alone.
+///   scores    optional: [Hkv, >= L_h, 1] a score per entry that the engine computed (KVzip's context
+///             reconstruction, a calibrated projection, ...; docs/algorithms.md#engine-scores), stored as Q; only
+///             EngineScoreSelector reads it, and it needs it.
 ///   keys_scale, values_scale  int8 and fp8 caches only (docs/algorithms.md#quantized): entry j of KV head h holds
 ///             float(stored) * (tensor * token(h, j)); the default (tensor 1, no token scales) reads the codes as
 ///             they are. Every stage selects exactly as on float storage holding those values.
@@ -62,6 +65,7 @@ struct LayerInputs {
   PositionsView positions;
   HeadsView<const float> accumulated;
   KVScale keys_scale, values_scale;
+  HeadsView<const Q> scores;
 };
 
 }  // namespace kvevict

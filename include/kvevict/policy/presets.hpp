@@ -9,6 +9,7 @@
 #include "kvevict/selectors/attention_selector.hpp"
 #include "kvevict/selectors/critical_selector.hpp"
 #include "kvevict/selectors/defensive_selector.hpp"
+#include "kvevict/selectors/engine_score_selector.hpp"
 #include "kvevict/selectors/expected_attention_selector.hpp"
 #include "kvevict/selectors/h2o_selector.hpp"
 #include "kvevict/selectors/key_diff_selector.hpp"
@@ -176,6 +177,30 @@ class OpenDefensiveKV : public LayerGlobalPolicy<DefensiveSelector> {
     }
   };
   explicit OpenDefensiveKV(const Params& p = Params{}) : Policy(p, type_name) {}
+};
+
+/// Scores from the engine (docs/algorithms.md#engine-scores): LayerInputs::scores as they are (kernel 1), the window
+/// of 32 kept, one flat top-k over the layer (head-adaptive without the safeguard, as DefensiveKV).
+class EngineScores : public Policy<HeadAdaptiveAllocation, EngineScoreSelector> {
+ public:
+  static constexpr const char* type_name = "EngineScores";
+  struct Params : Policy::Params {
+    Params() {
+      alpha = 0.0;
+      kernel = 1;
+    }
+  };
+  explicit EngineScores(const Params& p = Params{}) : Policy(p, type_name) {}
+};
+
+/// The engine's scores with one budget across layers (KVzip's default: one top-k over every head of every layer).
+class LayerEngineScores : public LayerGlobalPolicy<EngineScoreSelector> {
+ public:
+  static constexpr const char* type_name = "LayerEngineScores";
+  struct Params : Policy::Params {
+    Params() { kernel = 1; }
+  };
+  explicit LayerEngineScores(const Params& p = Params{}) : Policy(p, type_name) {}
 };
 
 }  // namespace KVEVICT_ABI_NAMESPACE
