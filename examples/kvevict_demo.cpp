@@ -95,6 +95,23 @@ PolicyEntry entry(const std::string& name, const std::string& base, const kvevic
   return out;
 }
 
+/// The engine-scores policy P (docs/algorithms.md#engine-scores) on the scores of the engine's KVzip replay
+/// (Engine::score_by_reconstruction), which runs on a copy of the prefilled engine and counts as the policy's time.
+/// One-shot only: the replay scores what the prefill cached.
+template <class P>
+PolicyEntry kvzip_entry(const std::string& name) {
+  PolicyEntry out{name, {}, kvevict::budget_scope<P>()};
+  out.compress = [](const Engine& engine, const kvevict::Budget& budget) {
+    typename P::Params params;
+    kvevict::apply_knobs(with_layout({}), params);
+    const P policy(params);
+    Engine scored = engine;
+    scored.score_by_reconstruction();
+    return kvevict::select_layers(policy, scored.eviction_inputs_for(policy), budget);
+  };
+  return out;
+}
+
 /// The policies the demo compares: the full cache, every catalogue policy, then the ablations (one part of a
 /// policy changed: which part helps or hurts on this model, and what the L2 Gram value term costs).
 const std::vector<PolicyEntry>& all_policies() {
@@ -103,6 +120,9 @@ const std::vector<PolicyEntry>& all_policies() {
     kvevict::catalogue::for_each(kvevict::catalogue::entries(), [&](const auto& e) {
       list.push_back(entry(std::string(e.name), std::string(e.name)));
     });
+    // KVzip (arXiv 2505.23416): the engine scores each entry by context reconstruction; per layer and across layers.
+    list.push_back(kvzip_entry<kvevict::EngineScores>("kvzip"));
+    list.push_back(kvzip_entry<kvevict::LayerEngineScores>("layer-kvzip"));
     kvevict::Knobs l2, no_value, no_mass, safeguard;
     l2.value_norm = kvevict::ValueNorm::l2;
     no_value.value_term = false;
@@ -560,6 +580,10 @@ int main(int argc, char** argv) {
     for (const auto& p : all_policies()) {
       const bool named = std::find(opt.policies.begin(), opt.policies.end(), p.name) != opt.policies.end();
       if (opt.policies.empty() ? p.ablation && !opt.ablations : !named) continue;
+      if (opt.mode != demo::Mode::oneshot && p.compress && !p.stream) {  // one-shot scores (kvzip)
+        if (named) std::printf("kvevict-demo: %s runs in oneshot mode only; skipped\n", p.name.c_str());
+        continue;
+      }
       if (!p.compress)
         runs.push_back({&p, 1.0});
       else

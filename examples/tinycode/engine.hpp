@@ -93,6 +93,8 @@ class Engine {
   /// Forgets every token (keeps the allocations).
   void reset() {
     cache_.clear();
+    tokens_.clear();
+    engine_scores_.clear();
     next_position_ = 0;
     window_filled_ = 0;
   }
@@ -113,6 +115,8 @@ class Engine {
       x.row(i) = model_->embed.row(tokens[i]);
     }
     cache_.append(n);  // every (layer, KV head) gets rows for positions next_position_ .. + n - 1
+    engine_scores_.clear();  // they scored the entries before these
+    tokens_.insert(tokens_.end(), tokens, tokens + n);
     for (Index l = 0; l < c.n_layer; ++l) layer_forward(l, x);
     next_position_ += n;
     window_filled_ = std::min(window_, window_filled_ + n);
@@ -147,6 +151,9 @@ class Engine {
     in.values = cache_.value_view(layer);
     const Matrix& wo = model_->layers[static_cast<std::size_t>(layer)].wo;  // W_o [d_model, n_head * head_dim]
     in.w_o = kvevict::output_projection<const float>(wo.data(), c.d_model, c.n_head, c.head_dim);
+    if (!engine_scores_.empty())  // [Hkv, capacity, 1]
+      in.scores = kvevict::HeadsView<const float>::heads_major(engine_scores_[static_cast<std::size_t>(layer)].data(),
+                                                               c.n_kv_head, cache_.capacity(), 1);
     return cache_.book().layer(layer).describe(in);
   }
   /// eviction_inputs(l) of every layer l, for policies that plan over the whole model before evicting.
@@ -171,6 +178,7 @@ class Engine {
   /// earlier renumbering; before any eviction the row is the position) to their new row.
   void evict(Index layer, const kvevict::Selection& selection) {
     cache_.compact(layer, selection);
+    engine_scores_.clear();
     if (!renumber_) return;
     const Index heads = selection.heads(), rows = std::max<Index>(1, selection.max_length());
     std::vector<std::int64_t> deltas(static_cast<std::size_t>(heads * rows), 0);  // [Hkv, rows]
@@ -206,6 +214,39 @@ class Engine {
     }
     stats.kept = kept_lengths();
     return stats;
+  }
+
+  /// KVzip's context reconstruction (arXiv 2505.23416; docs/algorithms.md#engine-scores): scores every cached entry
+  /// by the largest attention any query of a replay pays it (the maximum over the replayed queries and the G query
+  /// heads of its KV head). The replay is `prompt` followed by the tokens run so far, `chunk` of them at a time, each
+  /// chunk run on a copy of this engine, so this cache is unchanged (a chunk is shortened so its positions fit the
+  /// model context). The scores, [Hkv, capacity] per layer, go to eviction_inputs() as LayerInputs::scores until the
+  /// next extend() or evict(). Costs about one more prefill, plus a copy of the cache per chunk. Needs the cache as
+  /// the prefill left it (the replay is what was run).
+  void score_by_reconstruction(Index chunk = 128, const std::vector<Token>& prompt = {'\n'}) {
+    const Config& c = model_->config;
+    const auto run = static_cast<Index>(tokens_.size());
+    for (Index l = 0; l < c.n_layer; ++l)
+      for (Index h = 0; h < c.n_kv_head; ++h)
+        if (cache_.length(l, h) != run)
+          throw std::logic_error("Engine::score_by_reconstruction: needs the uncompressed cache of the tokens run");
+    const Index room = c.ctx - run - static_cast<Index>(prompt.size());
+    if (chunk < 1 || room < 1)
+      throw std::length_error("Engine::score_by_reconstruction: no room for a replay of chunk " +
+                              std::to_string(chunk) + " after " + std::to_string(run) + " positions (context " +
+                              std::to_string(c.ctx) + ")");
+    chunk = std::min(chunk, room);
+    std::vector<std::vector<float>> peak(static_cast<std::size_t>(c.n_layer),
+                                         std::vector<float>(static_cast<std::size_t>(c.n_kv_head * cache_.capacity())));
+    for (Index at = 0; at < run; at += chunk) {
+      Engine replay = *this;
+      replay.peak_ = &peak;
+      replay.peak_rows_ = run;
+      std::vector<Token> t = prompt;
+      t.insert(t.end(), tokens_.begin() + at, tokens_.begin() + std::min(run, at + chunk));
+      replay.extend(t);
+    }
+    engine_scores_ = std::move(peak);
   }
 
   /// Ends a step of the stream (the tokens run since the last call, >= window): evicts every layer holding more
@@ -331,6 +372,11 @@ class Engine {
             row.tail(visible_end - visible).setZero();
           }
           attn.block(b0, qh * d, bn, d).noalias() = scores * values.topRows(visible_end);
+          if (peak_) {  // score_by_reconstruction: the most attention any replayed query pays each scored entry
+            const Index m = std::min(peak_rows_, cached);
+            auto peak = Eigen::Map<RowVector>((*peak_)[static_cast<std::size_t>(l)].data() + kh * cache_.capacity(), m);
+            for (Index i = 0; i < bn; ++i) peak = peak.cwiseMax(scores.row(i).head(m));
+          }
           for (Index i = 0; i < bn; ++i) received.head(visible_end) += scores.row(i);  // rows are contiguous
         }
       }
@@ -354,6 +400,10 @@ class Engine {
   bool renumber_ = false;
   Index window_filled_ = 0;                         // valid rows of window_queries_ (min(window_, positions run))
   std::vector<std::vector<float>> window_queries_;  // per layer [H, window_, d]
+  std::vector<Token> tokens_;                       // every token run since the last reset()
+  std::vector<std::vector<float>> engine_scores_;   // per layer [Hkv, capacity]: score_by_reconstruction()'s
+  std::vector<std::vector<float>>* peak_ = nullptr;  // during a replay: where the peaks go
+  Index peak_rows_ = 0;                             // during a replay: the entries scored (the replayed context's)
   Matrix rope_cos_, rope_sin_;                      // [ctx, d / 2]
 };
 
