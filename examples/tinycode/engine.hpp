@@ -30,6 +30,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -216,36 +217,46 @@ class Engine {
     return stats;
   }
 
-  /// KVzip's context reconstruction (arXiv 2505.23416; docs/algorithms.md#engine-scores): scores every cached entry
-  /// by the largest attention any query of a replay pays it (the maximum over the replayed queries and the G query
-  /// heads of its KV head). The replay is `prompt` followed by the tokens run so far, `chunk` of them at a time, each
-  /// chunk run on a copy of this engine, so this cache is unchanged (a chunk is shortened so its positions fit the
-  /// model context). The scores, [Hkv, capacity] per layer, go to eviction_inputs() as LayerInputs::scores until the
-  /// next extend() or evict(). Costs about one more prefill, plus a copy of the cache per chunk. Needs the cache as
-  /// the prefill left it (the replay is what was run).
-  void score_by_reconstruction(Index chunk = 128, const std::vector<Token>& prompt = {'\n'}) {
+  /// KVzip's context reconstruction (arXiv 2505.23416; docs/algorithms.md#engine-scores), as kvpress KVzipPress
+  /// scores it: the tokens run so far are replayed in chunks of `chunk`, each on a copy of this engine (this cache is
+  /// unchanged) after a repeat prompt ("\n\nRepeat the previous context exactly." for the first chunk; "\n\nRepeat
+  /// the part of the previous context exactly, starting with" and the previous chunk's last 8 tokens for the others;
+  /// then "\n"). Entry j of chunk [s, e) scores the largest attention any replayed query of the G query heads of its KV
+  /// head pays it, the softmax taken over the first min(4, s) entries (sinks), the chunk's entries and the replay up
+  /// to the query; the first 4 entries score 1. The scores, [Hkv, capacity] per layer, go to eviction_inputs() as
+  /// LayerInputs::scores until the next extend() or evict(). Costs about one more prefill plus a copy of the cache per
+  /// chunk. Needs the cache as the prefill left it (the replay is what was run).
+  void score_by_reconstruction(Index chunk = 128) {
     const Config& c = model_->config;
     const auto run = static_cast<Index>(tokens_.size());
     for (Index l = 0; l < c.n_layer; ++l)
       for (Index h = 0; h < c.n_kv_head; ++h)
         if (cache_.length(l, h) != run)
           throw std::logic_error("Engine::score_by_reconstruction: needs the uncompressed cache of the tokens run");
-    const Index room = c.ctx - run - static_cast<Index>(prompt.size());
-    if (chunk < 1 || room < 1)
-      throw std::length_error("Engine::score_by_reconstruction: no room for a replay of chunk " +
-                              std::to_string(chunk) + " after " + std::to_string(run) + " positions (context " +
-                              std::to_string(c.ctx) + ")");
-    chunk = std::min(chunk, room);
+    static const std::string first = "\n\nRepeat the previous context exactly.",
+                             later = "\n\nRepeat the part of the previous context exactly, starting with", suffix = "\n";
+    constexpr Index tail = 8, sinks = 4;
+    if (chunk < 1 || run + static_cast<Index>(later.size() + suffix.size()) + tail + chunk > c.ctx)
+      throw std::length_error("Engine::score_by_reconstruction: a replay of chunk " + std::to_string(chunk) +
+                              " after " + std::to_string(run) + " positions exceeds the model context " +
+                              std::to_string(c.ctx));
     std::vector<std::vector<float>> peak(static_cast<std::size_t>(c.n_layer),
                                          std::vector<float>(static_cast<std::size_t>(c.n_kv_head * cache_.capacity())));
     for (Index at = 0; at < run; at += chunk) {
+      const Index end = std::min(run, at + chunk);
+      std::vector<Token> t(at == 0 ? first.begin() : later.begin(), at == 0 ? first.end() : later.end());
+      if (at > 0) t.insert(t.end(), tokens_.begin() + at - std::min(tail, at), tokens_.begin() + at);
+      t.insert(t.end(), suffix.begin(), suffix.end());
+      t.insert(t.end(), tokens_.begin() + at, tokens_.begin() + end);
       Engine replay = *this;
       replay.peak_ = &peak;
-      replay.peak_rows_ = run;
-      std::vector<Token> t = prompt;
-      t.insert(t.end(), tokens_.begin() + at, tokens_.begin() + std::min(run, at + chunk));
+      replay.peak_chunk_ = {at, end};
+      replay.peak_sinks_ = std::min(sinks, at);
       replay.extend(t);
     }
+    for (auto& layer : peak)
+      for (Index h = 0; h < c.n_kv_head; ++h)
+        std::fill_n(layer.begin() + h * cache_.capacity(), std::min(sinks, run), 1.0f);
     engine_scores_ = std::move(peak);
   }
 
@@ -329,6 +340,28 @@ class Engine {
     }
   }
 
+  /// score_by_reconstruction's scoring of one block of replayed queries: `logits` [bn, >= cached + b0 + bn] are
+  /// the raw q k^T of replay rows b0 .. b0 + bn - 1 over the cache. For each row, the softmax over the sinks, the
+  /// chunk's entries and the replay up to that row; each chunk entry keeps the largest weight it gets.
+  void add_replay_peaks(Index l, Index kh, const Matrix& logits, Index cached, Index b0, float scale) {
+    const auto [first, end] = peak_chunk_;
+    float* peak = (*peak_)[static_cast<std::size_t>(l)].data() + kh * cache_.capacity();
+    for (Index i = 0; i < logits.rows(); ++i) {
+      const auto row = logits.row(i);
+      const Index replayed = b0 + i + 1;  // replay rows visible to this query
+      float mx = -std::numeric_limits<float>::infinity();
+      for (Index j = 0; j < peak_sinks_; ++j) mx = std::max(mx, row(j) * scale);
+      for (Index j = first; j < end; ++j) mx = std::max(mx, row(j) * scale);
+      for (Index j = cached; j < cached + replayed; ++j) mx = std::max(mx, row(j) * scale);
+      double z = 0;
+      for (Index j = 0; j < peak_sinks_; ++j) z += std::exp(row(j) * scale - mx);
+      for (Index j = first; j < end; ++j) z += std::exp(row(j) * scale - mx);
+      for (Index j = cached; j < cached + replayed; ++j) z += std::exp(row(j) * scale - mx);
+      for (Index j = first; j < end; ++j)
+        peak[j] = std::max(peak[j], static_cast<float>(std::exp(row(j) * scale - mx) / z));
+    }
+  }
+
   /// One transformer block on x [n, d_model] (in place) for the new tokens at next_position_ ...
   void layer_forward(Index l, Matrix& x) {
     const Config& c = model_->config;
@@ -362,6 +395,7 @@ class Engine {
         for (Index b0 = 0; b0 < n; b0 += attention_block) {
           const Index bn = std::min(attention_block, n - b0), visible_end = cached + b0 + bn;
           scores.noalias() = q.block(b0, qh * d, bn, d) * keys.topRows(visible_end).transpose();
+          if (peak_) add_replay_peaks(l, kh, scores, cached, b0, scale);
           for (Index i = 0; i < bn; ++i) {  // softmax over keys [0, cached + b0 + i], zero beyond (causal)
             const Index visible = cached + b0 + i + 1;
             auto row = scores.row(i);
@@ -372,11 +406,6 @@ class Engine {
             row.tail(visible_end - visible).setZero();
           }
           attn.block(b0, qh * d, bn, d).noalias() = scores * values.topRows(visible_end);
-          if (peak_) {  // score_by_reconstruction: the most attention any replayed query pays each scored entry
-            const Index m = std::min(peak_rows_, cached);
-            auto peak = Eigen::Map<RowVector>((*peak_)[static_cast<std::size_t>(l)].data() + kh * cache_.capacity(), m);
-            for (Index i = 0; i < bn; ++i) peak = peak.cwiseMax(scores.row(i).head(m));
-          }
           for (Index i = 0; i < bn; ++i) received.head(visible_end) += scores.row(i);  // rows are contiguous
         }
       }
@@ -403,7 +432,8 @@ class Engine {
   std::vector<Token> tokens_;                       // every token run since the last reset()
   std::vector<std::vector<float>> engine_scores_;   // per layer [Hkv, capacity]: score_by_reconstruction()'s
   std::vector<std::vector<float>>* peak_ = nullptr;  // during a replay: where the peaks go
-  Index peak_rows_ = 0;                             // during a replay: the entries scored (the replayed context's)
+  std::pair<Index, Index> peak_chunk_{0, 0};         // during a replay: the entries scored [first, end)
+  Index peak_sinks_ = 0;                            // during a replay: the sink entries in each softmax
   Matrix rope_cos_, rope_sin_;                      // [ctx, d / 2]
 };
 
