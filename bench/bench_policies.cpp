@@ -25,7 +25,8 @@
 // path's time / time and same_as_unpruned = 1 when it keeps the same tokens (both measured in this run); the
 // "layer+critical-l1" rows do the same under one budget across layers (the composition Policy<LayerDefensiveKV,
 // CriticalSelector>).
-// "h2o-carried" is H2O selecting from received attention an engine carries (LayerInputs::accumulated).
+// "h2o-carried" is H2O selecting from received attention an engine carries (LayerInputs::accumulated);
+// "engine-scores" and "layer-engine-scores" select from scores the engine computed (LayerInputs::scores).
 // Built with KVEVICT_OPENMP, the library (and Eigen's floor GEMMs) run on OpenMP threads, and x_threads = one
 // thread's time / time.
 
@@ -96,7 +97,7 @@ std::vector<float> peaked_attention(const Model& m, Index L) {
 
 template <class T, class Policy>
 void run_policy(benchmark::State& state, const Model& m, const Policy& policy, bool precomputed_gram,
-                bool peaked = false, bool carried = false) {
+                bool peaked = false, bool carried = false, bool engine_scores = false) {
   const Index L = state.range(0);
   const double keep = static_cast<double>(state.range(1)) / 100.0;
   const auto budget = kvevict::Budget::keep_ratio(keep);
@@ -117,6 +118,17 @@ void run_policy(benchmark::State& state, const Model& m, const Policy& policy, b
     received.resize(static_cast<std::size_t>(m.Hkv * L));
     for (float& x : received) x = u(rng);
     layer.in.accumulated = kvevict::HeadsView<const float>::heads_major(received.data(), m.Hkv, L, 1);
+  }
+  // Scores the engine computed (LayerInputs::scores [Hkv, L, 1]; EngineScores), f32 only.
+  std::vector<float> given;
+  if constexpr (std::is_same_v<T, float>) {
+    if (engine_scores) {
+      std::mt19937 rng(11);
+      std::uniform_real_distribution<float> u(0.0f, 1.0f);
+      given.resize(static_cast<std::size_t>(m.Hkv * L));
+      for (float& x : given) x = u(rng);
+      layer.in.scores = kvevict::HeadsView<const float>::heads_major(given.data(), m.Hkv, L, 1);
+    }
   }
   // The engine's per-layer W_o^T W_o, made once at model load (LayerInputs::w_o_gram), outside the timing.
   const auto gram = kvevict::OutputGram<kvevict::gram_scalar_t<activation_t<T>>>::compute(layer.in.w_o);
@@ -306,13 +318,15 @@ void policy_args(benchmark::internal::Benchmark* b, Index max_L) {
 /// BM_<row>/<storage>/<model>: `policy` on storage T.
 template <class T, class Policy>
 void register_policy(const std::string& row, const Model& m, const Policy& policy, Index max_L,
-                     bool precomputed_gram = false, bool peaked = false, bool carried = false) {
+                     bool precomputed_gram = false, bool peaked = false, bool carried = false,
+                     bool engine_scores = false) {
   const std::string name = "BM_" + row + "/" + storage_name<T>() + "/" + m.name;
-  policy_args(benchmark::RegisterBenchmark(name.c_str(),
-                                           [m, policy, precomputed_gram, peaked, carried](benchmark::State& s) {
-                                             run_policy<T>(s, m, policy, precomputed_gram, peaked, carried);
-                                           }),
-              max_L);
+  policy_args(
+      benchmark::RegisterBenchmark(name.c_str(),
+                                   [m, policy, precomputed_gram, peaked, carried, engine_scores](benchmark::State& s) {
+                                     run_policy<T>(s, m, policy, precomputed_gram, peaked, carried, engine_scores);
+                                   }),
+      max_L);
 }
 
 /// Calls f(entry) for the named catalogue entry; a name the catalogue no longer has is an error, not a silently
@@ -357,6 +371,11 @@ void register_all() {
     visit_entry("h2o", [&](const auto& entry) {
       register_policy<float>("h2o-carried", mm, entry.make(), 65536, false, false, /*carried=*/true);
     });
+    // Scores from the engine (not in the catalogue: they need LayerInputs::scores), per layer and across layers.
+    register_policy<float>("engine-scores", mm, kvevict::EngineScores(), 65536, false, false, false,
+                           /*engine_scores=*/true);
+    register_policy<float>("layer-engine-scores", mm, kvevict::LayerEngineScores(), 65536, false, false, false,
+                           /*engine_scores=*/true);
     // Other storage types: the attention-only paths (snapkv, adakv) and a value-aware one (defensivekv-l2).
     for (std::string_view row : {"snapkv", "adakv"})
       visit_entry(row, [&](const auto& entry) {

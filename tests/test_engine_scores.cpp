@@ -48,8 +48,8 @@ struct Dense {
 
 // SnapKV's worked prefix scores (docs/algorithms.md#allocation); the window entries carry scores the window tier
 // ignores (-5, 9: neither the lowest nor the highest may matter).
-const std::vector<float> kWorked = {.10f, .50f, .20f, .05f, .30f, .01f, .02f, .40f, -5, 9, -5, 9,
-                                    .03f, .70f, .06f, .90f, .65f, .08f, .09f, .60f, 9, -5, 9, -5};
+const std::vector<float> kWorked = {.10f, .50f, .20f, .05f, .30f, .01f, .02f, .40f, -5, 9,  -5, 9,
+                                    .03f, .70f, .06f, .90f, .65f, .08f, .09f, .60f, 9,  -5, 9,  -5};
 
 template <class P>
 P with_window(Index w, kvevict::LayoutParams layout = {}) {
@@ -66,7 +66,7 @@ std::vector<Ragged> random_model(Rng& rng, int NL, int H, int Hkv, int w, int T,
     Ragged r = kvevict_test::random_ragged(rng, H, Hkv, w, 4, T, 0.5);
     for (int h = 0; h < Hkv; ++h) {
       auto& head = r.heads[static_cast<std::size_t>(h)];
-      const auto& src = share == kvevict::Sharing::per_model ? (l == 0 ? r.heads[0] : layers.front().heads[0])
+      const auto& src = share == kvevict::Sharing::per_model   ? (l == 0 ? r.heads[0] : layers.front().heads[0])
                         : share == kvevict::Sharing::per_layer ? r.heads[0]
                                                                : head;
       if (&src == &head) continue;

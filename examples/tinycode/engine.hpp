@@ -115,7 +115,7 @@ class Engine {
                                     std::to_string(c.vocab) + ")");
       x.row(i) = model_->embed.row(tokens[i]);
     }
-    cache_.append(n);  // every (layer, KV head) gets rows for positions next_position_ .. + n - 1
+    cache_.append(n);        // every (layer, KV head) gets rows for positions next_position_ .. + n - 1
     engine_scores_.clear();  // they scored the entries before these
     tokens_.insert(tokens_.end(), tokens, tokens + n);
     for (Index l = 0; l < c.n_layer; ++l) layer_forward(l, x);
@@ -234,7 +234,8 @@ class Engine {
         if (cache_.length(l, h) != run)
           throw std::logic_error("Engine::score_by_reconstruction: needs the uncompressed cache of the tokens run");
     static const std::string first = "\n\nRepeat the previous context exactly.",
-                             later = "\n\nRepeat the part of the previous context exactly, starting with", suffix = "\n";
+                             later = "\n\nRepeat the part of the previous context exactly, starting with",
+                             suffix = "\n";
     constexpr Index tail = 8, sinks = 4;
     if (chunk < 1 || run + static_cast<Index>(later.size() + suffix.size()) + tail + chunk > c.ctx)
       throw std::length_error("Engine::score_by_reconstruction: a replay of chunk " + std::to_string(chunk) +
@@ -427,14 +428,14 @@ class Engine {
   KVCache cache_;
   Index next_position_ = 0;
   bool renumber_ = false;
-  Index window_filled_ = 0;                         // valid rows of window_queries_ (min(window_, positions run))
-  std::vector<std::vector<float>> window_queries_;  // per layer [H, window_, d]
-  std::vector<Token> tokens_;                       // every token run since the last reset()
-  std::vector<std::vector<float>> engine_scores_;   // per layer [Hkv, capacity]: score_by_reconstruction()'s
+  Index window_filled_ = 0;                          // valid rows of window_queries_ (min(window_, positions run))
+  std::vector<std::vector<float>> window_queries_;   // per layer [H, window_, d]
+  std::vector<Token> tokens_;                        // every token run since the last reset()
+  std::vector<std::vector<float>> engine_scores_;    // per layer [Hkv, capacity]: score_by_reconstruction()'s
   std::vector<std::vector<float>>* peak_ = nullptr;  // during a replay: where the peaks go
   std::pair<Index, Index> peak_chunk_{0, 0};         // during a replay: the entries scored [first, end)
-  Index peak_sinks_ = 0;                            // during a replay: the sink entries in each softmax
-  Matrix rope_cos_, rope_sin_;                      // [ctx, d / 2]
+  Index peak_sinks_ = 0;                             // during a replay: the sink entries in each softmax
+  Matrix rope_cos_, rope_sin_;                       // [ctx, d / 2]
 };
 
 }  // namespace tinycode

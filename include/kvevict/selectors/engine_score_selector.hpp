@@ -35,7 +35,7 @@ struct EngineScoreSelector {
   template <class S, class In>
   Layer<S> score(const In& in, const extend::LayerShape& shape, const ScoringParams& common,
                  const extend::LayerBudget& /*budget*/, const char* where) const {
-    const RowMatrix<S> given = read_scores<S>(in.scores, shape, where);  // [Hkv, L]
+    const RowMatrix<S> given = read_scores<S>(in.scores, shape, where);      // [Hkv, L]
     RowMatrix<S> prefix = RowMatrix<S>::Zero(shape.kv_heads, shape.prefix);  // [Hkv, P]: head h's first P_h
     for (Index h = 0; h < shape.kv_heads; ++h)
       extend::pool1d(given.row(h).data(), shape.prefix_of(h), common.kernel, common.pooling, prefix.row(h).data());
@@ -52,8 +52,8 @@ struct EngineScoreSelector {
                     "needs LayerInputs::scores [kv_heads, >= entries, 1], the score the engine computed for each "
                     "cached entry; none were given");
     detail::require(s.heads() == shape.kv_heads && s.rows() >= shape.tokens && s.cols() == 1, where, "scores [",
-                    s.heads(), ", ", s.rows(), ", ", s.cols(), "] must be [kv_heads = ", shape.kv_heads, ", >= ",
-                    shape.tokens, " entries, 1]");
+                    s.heads(), ", ", s.rows(), ", ", s.cols(), "] must be [kv_heads = ", shape.kv_heads,
+                    ", >= ", shape.tokens, " entries, 1]");
     RowMatrix<S> out = RowMatrix<S>::Zero(shape.kv_heads, shape.tokens);
     for (Index h = 0; h < shape.kv_heads; ++h)
       for (Index j = 0; j < shape.length(h); ++j) {
