@@ -3,8 +3,6 @@
 /// compute (KVzip's context reconstruction, Q-Filters' calibrated directions, ...), given as LayerInputs::scores
 /// [Hkv, >= L_h, 1]. The library ranks, allocates and lays them out as any other selector's scores.
 
-#include <cmath>
-
 #include "kvevict/aggregation/pooling.hpp"
 #include "kvevict/allocation/layer_budget.hpp"
 #include "kvevict/selectors/selector.hpp"
@@ -35,34 +33,17 @@ struct EngineScoreSelector {
   template <class S, class In>
   Layer<S> score(const In& in, const extend::LayerShape& shape, const ScoringParams& common,
                  const extend::LayerBudget& /*budget*/, const char* where) const {
-    const RowMatrix<S> given = read_scores<S>(in.scores, shape, where);      // [Hkv, L]
+    detail::require(in.scores.heads() * in.scores.rows() * in.scores.cols() > 0, where,
+                    "needs LayerInputs::scores [kv_heads, >= entries, 1], the score the engine computed for each "
+                    "cached entry; none were given");
+    const RowMatrix<S> given =
+        detail::read_entry_column<S>(in.scores, shape, where, "scores", "the engine's scores");  // [Hkv, L]
     RowMatrix<S> prefix = RowMatrix<S>::Zero(shape.kv_heads, shape.prefix);  // [Hkv, P]: head h's first P_h
     for (Index h = 0; h < shape.kv_heads; ++h)
       extend::pool1d(given.row(h).data(), shape.prefix_of(h), common.kernel, common.pooling, prefix.row(h).data());
     Layer<S> layer{extend::scores_with_window(prefix, shape, common.reference_quirks)};
     layer.allocation.require_finite(where);
     return layer;
-  }
-
- private:
-  /// scores [Hkv, >= L_h, 1] as [Hkv, L] in S (entries beyond L_h: 0), checked: present, shaped, finite.
-  template <class S, class Q>
-  static RowMatrix<S> read_scores(const HeadsView<const Q>& s, const extend::LayerShape& shape, const char* where) {
-    detail::require(s.heads() * s.rows() * s.cols() > 0, where,
-                    "needs LayerInputs::scores [kv_heads, >= entries, 1], the score the engine computed for each "
-                    "cached entry; none were given");
-    detail::require(s.heads() == shape.kv_heads && s.rows() >= shape.tokens && s.cols() == 1, where, "scores [",
-                    s.heads(), ", ", s.rows(), ", ", s.cols(), "] must be [kv_heads = ", shape.kv_heads,
-                    ", >= ", shape.tokens, " entries, 1]");
-    RowMatrix<S> out = RowMatrix<S>::Zero(shape.kv_heads, shape.tokens);
-    for (Index h = 0; h < shape.kv_heads; ++h)
-      for (Index j = 0; j < shape.length(h); ++j) {
-        const auto x = static_cast<S>(*s.row(h, j));
-        detail::require(std::isfinite(static_cast<double>(x)), where, "scores[", h, ", ", j, "] is not finite (",
-                        static_cast<double>(x), "); the engine's scores must be finite");
-        out(h, j) = x;
-      }
-    return out;
   }
 };
 

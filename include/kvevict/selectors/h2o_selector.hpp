@@ -49,9 +49,10 @@ struct H2OSelector {
   template <class S, class In>
   Layer<S> score(const In& in, const extend::LayerShape& shape, const ScoringParams& common,
                  const extend::LayerBudget& budget, const char* where) const {
-    const RowMatrix<S> received = has_accumulated(in)
-                                      ? read_accumulated<S>(in.accumulated, shape, where)
-                                      : extend::attention_received(extend::observe<S>(in, shape, where));
+    const RowMatrix<S> received =
+        has_accumulated(in)
+            ? detail::read_entry_column<S>(in.accumulated, shape, where, "accumulated", "the received attention")
+            : extend::attention_received(extend::observe<S>(in, shape, where));
     RowMatrix<S> prefix = RowMatrix<S>::Zero(shape.kv_heads, shape.prefix);  // [Hkv, P]: head h's first P_h
     for (Index h = 0; h < shape.kv_heads; ++h)
       extend::pool1d(received.row(h).data(), shape.prefix_of(h), common.kernel, common.pooling, prefix.row(h).data());
@@ -73,25 +74,6 @@ struct H2OSelector {
   template <class In>
   static bool has_accumulated(const In& in) {
     return in.accumulated.heads() * in.accumulated.rows() * in.accumulated.cols() > 0;
-  }
-
-  /// accumulated [Hkv, >= L_h, 1] as [Hkv, L] in S (entries beyond L_h: 0), checked.
-  template <class S>
-  static RowMatrix<S> read_accumulated(const HeadsView<const float>& a, const extend::LayerShape& shape,
-                                       const char* where) {
-    detail::require(a.heads() == shape.kv_heads && a.rows() >= shape.tokens && a.cols() == 1, where, "accumulated [",
-                    a.heads(), ", ", a.rows(), ", ", a.cols(), "] must be [kv_heads = ", shape.kv_heads,
-                    ", >= ", shape.tokens, " entries, 1]");
-    RowMatrix<S> out = RowMatrix<S>::Zero(shape.kv_heads, shape.tokens);
-    for (Index h = 0; h < shape.kv_heads; ++h)
-      for (Index j = 0; j < shape.length(h); ++j) {
-        const float x = *a.row(h, j);
-        if (!std::isfinite(x))
-          throw invalid_argument(detail::concat("kvevict::", where, ": accumulated[", h, ", ", j, "] is not finite (",
-                                                x, "); the received attention must be finite"));
-        out(h, j) = static_cast<S>(x);
-      }
-    return out;
   }
 
   Params params_;

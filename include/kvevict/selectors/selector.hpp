@@ -87,6 +87,24 @@ void select_top_per_head(const ScoreMap<S>& map, const std::vector<Index>& budge
 }  // namespace kvevict::extend
 
 namespace kvevict::detail {
+
+/// A column the engine gives per entry, [Hkv, >= L_h, 1] (LayerInputs::accumulated, LayerInputs::scores), as [Hkv, L]
+/// in S (entries beyond L_h: 0), checked: shaped and finite. `name` names it in messages, `what` says what it holds.
+template <class S, class T>
+RowMatrix<S> read_entry_column(const HeadsView<const T>& a, const extend::LayerShape& shape, const char* where,
+                               const char* name, const char* what) {
+  require(a.heads() == shape.kv_heads && a.rows() >= shape.tokens && a.cols() == 1, where, name, " [", a.heads(), ", ",
+          a.rows(), ", ", a.cols(), "] must be [kv_heads = ", shape.kv_heads, ", >= ", shape.tokens, " entries, 1]");
+  RowMatrix<S> out = RowMatrix<S>::Zero(shape.kv_heads, shape.tokens);
+  for (Index h = 0; h < shape.kv_heads; ++h)
+    for (Index j = 0; j < shape.length(h); ++j) {
+      const auto x = static_cast<S>(*a.row(h, j));
+      require(std::isfinite(static_cast<double>(x)), where, name, "[", h, ", ", j, "] is not finite (",
+              static_cast<double>(x), "); ", what, " must be finite");
+      out(h, j) = x;
+    }
+  return out;
+}
 /// The compression ratio a reference quirk's formula needs; throws when the budget was given another way.
 inline double quirk_compression_ratio(const extend::LayerBudget& b, const char* where) {
   require(!std::isnan(b.compression_ratio), where,
