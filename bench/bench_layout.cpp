@@ -49,11 +49,12 @@ constexpr Index kLayers = 4;
 constexpr double kKeep = 0.1;
 
 /// One model of kLayers layers of the same shape, each its own random tensors (window queries [H, w, d], keys and
-/// values tokens-major [L, Hkv, d], W_o [D, H d]) and its precomputed Gram matrices, with the floors of one layer.
+/// values tokens-major [L, Hkv, d], W_o [D, H d], the engine's scores [Hkv, L]) and its precomputed Gram matrices,
+/// with the floors of one layer.
 struct Stack {
   Model m;
   Index L;
-  std::vector<std::vector<float>> q, k, v, w_o;
+  std::vector<std::vector<float>> q, k, v, w_o, scores;
   std::vector<kvevict::OutputGram<float>> grams;
   std::vector<kvevict::LayerInputs<float>> plain, with_gram;
   Floors floors;
@@ -64,6 +65,7 @@ struct Stack {
     k.resize(n);
     v.resize(n);
     w_o.resize(n);
+    scores.resize(n);
     grams.resize(n);
     for (std::size_t l = 0; l < n; ++l) {
       std::mt19937 rng(static_cast<std::uint32_t>(42 + l));
@@ -76,11 +78,13 @@ struct Stack {
       fill(k[l], L * m.Hkv * m.d, 1.f);
       fill(v[l], L * m.Hkv * m.d, 1.f);
       fill(w_o[l], m.D * m.H * m.d, 0.02f);
+      fill(scores[l], m.Hkv * L, 1.f);
       kvevict::LayerInputs<float> in;
       in.queries = kvevict::HeadsView<const float>::heads_major(q[l].data(), m.H, kWindow, m.d);
       in.keys = kvevict::kv_tokens_major<const float>(k[l].data(), L, m.Hkv, m.d);
       in.values = kvevict::kv_tokens_major<const float>(v[l].data(), L, m.Hkv, m.d);
       in.w_o = kvevict::output_projection<const float>(w_o[l].data(), m.D, m.H, m.d);
+      in.scores = kvevict::HeadsView<const float>::heads_major(scores[l].data(), m.Hkv, L, 1);
       grams[l] = kvevict::OutputGram<float>::compute(in.w_o);  // once per layer, at model load
       plain.push_back(in);
       in.w_o_gram = &grams[l];

@@ -350,7 +350,9 @@ void register_all() {
       const std::string name(entry.name);
       const std::vector<std::string> knobs = entry.knobs();
       if (!entry.make().reads_values() || std::find(knobs.begin(), knobs.end(), "value_norm") == knobs.end()) {
-        register_policy<float>(name, mm, entry.make(), 65536);  // Expected Attention's ||v||_2 has no L1/L2 form
+        // Expected Attention's ||v||_2 has no L1/L2 form; the engine-score policies read LayerInputs::scores.
+        register_policy<float>(name, mm, entry.make(), 65536, false, false, false,
+                               /*engine_scores=*/entry.make().reads_scores());
         return;
       }
       register_policy<float>(name + "-l2", mm, entry.make(l2), 65536);
@@ -371,11 +373,6 @@ void register_all() {
     visit_entry("h2o", [&](const auto& entry) {
       register_policy<float>("h2o-carried", mm, entry.make(), 65536, false, false, /*carried=*/true);
     });
-    // Scores from the engine (not in the catalogue: they need LayerInputs::scores), per layer and across layers.
-    register_policy<float>("engine-scores", mm, kvevict::EngineScores(), 65536, false, false, false,
-                           /*engine_scores=*/true);
-    register_policy<float>("layer-engine-scores", mm, kvevict::LayerEngineScores(), 65536, false, false, false,
-                           /*engine_scores=*/true);
     // Other storage types: the attention-only paths (snapkv, adakv) and a value-aware one (defensivekv-l2).
     for (std::string_view row : {"snapkv", "adakv"})
       visit_entry(row, [&](const auto& entry) {

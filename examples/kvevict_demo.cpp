@@ -74,44 +74,32 @@ kvevict::Knobs with_layout(kvevict::Knobs k) {
 }
 
 /// The catalogue's policy `base` with `knobs` (and the layout) applied, under `name`; with a `selector`, the
-/// composition Policy<base, selector> (kvevict::catalogue::compose: bases() and selectors()).
+/// composition Policy<base, selector> (kvevict::catalogue::compose: bases() and selectors()). A policy that ranks the
+/// engine's scores (docs/algorithms.md#engine-scores) reads those of the engine's KVzip replay
+/// (Engine::score_by_reconstruction), which runs once per record on the prefilled engine (score_once) and whose time
+/// is added to the selection time of every configuration that reads it; one-shot only (the replay scores what the
+/// prefill cached), so it has no stream evictor.
 PolicyEntry entry(const std::string& name, const std::string& base, const kvevict::Knobs& knobs = {},
                   bool ablation = false, const std::string& selector = "") {
   PolicyEntry out{name, {}, kvevict::BudgetScope::head, ablation};
   const auto make = [&](const auto& e) {
+    using P = typename std::decay_t<decltype(e)>::policy_type;
     out.scope = e.scope;
+    out.engine_scores = P::reads_scores();
     out.compress = [e, knobs](const Engine& engine, const kvevict::Budget& budget) {
       const auto policy = e.make(with_layout(knobs));
       return kvevict::select_layers(policy, engine.eviction_inputs_for(policy), budget);
     };
-    out.stream = [e, knobs](Engine& engine, Index n, double* select_ms) {
-      tinycode::EvictionStats stats;
-      engine.evict_over_budget(e.make(with_layout(knobs)), n, &stats);
-      *select_ms += stats.select_ms;
-    };
+    if (!P::reads_scores())
+      out.stream = [e, knobs](Engine& engine, Index n, double* select_ms) {
+        tinycode::EvictionStats stats;
+        engine.evict_over_budget(e.make(with_layout(knobs)), n, &stats);
+        *select_ms += stats.select_ms;
+      };
   };
   const bool found =
       selector.empty() ? kvevict::catalogue::visit(base, make) : kvevict::catalogue::compose(base, selector, make);
   if (!found) throw std::logic_error("kvevict-demo: no catalogue policy '" + base + "' (selector '" + selector + "')");
-  return out;
-}
-
-/// The engine-scores policy P (docs/algorithms.md#engine-scores) on the scores of the engine's KVzip replay
-/// (Engine::score_by_reconstruction). The replay runs once per record on the prefilled engine (score_once), and its
-/// time is added to the selection time of every configuration that reads it. As KVzip: no window (window 0; the
-/// replay scores the last entries too, and the first 4 score 1). One-shot only: the replay scores what the prefill
-/// cached.
-template <class P>
-PolicyEntry kvzip_entry(const std::string& name) {
-  PolicyEntry out{name, {}, kvevict::budget_scope<P>()};
-  out.engine_scores = true;
-  out.compress = [](const Engine& engine, const kvevict::Budget& budget) {
-    typename P::Params params;
-    params.window = 0;
-    kvevict::apply_knobs(with_layout({}), params);
-    const P policy(params);
-    return kvevict::select_layers(policy, engine.eviction_inputs_for(policy), budget);
-  };
   return out;
 }
 
@@ -121,11 +109,13 @@ const std::vector<PolicyEntry>& all_policies() {
   static const std::vector<PolicyEntry> policies = [] {
     std::vector<PolicyEntry> list = {{"full", {}}};
     kvevict::catalogue::for_each(kvevict::catalogue::entries(), [&](const auto& e) {
-      list.push_back(entry(std::string(e.name), std::string(e.name)));
+      if (!std::decay_t<decltype(e)>::policy_type::reads_scores())
+        list.push_back(entry(std::string(e.name), std::string(e.name)));
     });
-    // KVzip (arXiv 2505.23416): the engine scores each entry by context reconstruction; per layer and across layers.
-    list.push_back(kvzip_entry<kvevict::EngineScores>("kvzip"));
-    list.push_back(kvzip_entry<kvevict::LayerEngineScores>("layer-kvzip"));
+    // KVzip (arXiv 2505.23416): the engine scores each entry by context reconstruction, ranked by the engine-score
+    // presets (window 0, as KVzip), per layer and across layers.
+    list.push_back(entry("kvzip", "engine-scores"));
+    list.push_back(entry("layer-kvzip", "layer-engine-scores"));
     kvevict::Knobs l2, no_value, no_mass, safeguard;
     l2.value_norm = kvevict::ValueNorm::l2;
     no_value.value_term = false;

@@ -36,8 +36,8 @@ struct Tensor {
   py::object owner;
 };
 
-const char* const tensor_names[] = {"keys", "values",     "q_window",    "window_attention",
-                                    "w_o",  "keys_scale", "values_scale"};
+const char* const tensor_names[] = {"keys", "values",     "q_window",     "window_attention",
+                                    "w_o",  "keys_scale", "values_scale", "scores"};
 
 /// The dtype a uint8 array or tensor gets until the fp8= argument says which fp8 format its bytes hold (torch's
 /// float8 tensors reach Python code as .view(torch.uint8)).
@@ -191,17 +191,18 @@ void fill_layer(LayerArgs& args, const py::dict& d, const std::string& layout, c
       throw py::value_error("unknown input '" + key + "'" +
                             (where.empty() ? "" : " in " + where.substr(0, where.size() - 1)) +
                             "; expected keys, values, q_window, window_attention, w_o, keys_scale, values_scale, "
-                            "lengths, positions");
+                            "scores, lengths, positions");
   }
   const bool tokens = layout == "tokens";
   kvevict_tensor* slots[] = {
-      &args.layer.keys, &args.layer.values,     &args.layer.q_window,    &args.layer.window_attention,
-      &args.layer.w_o,  &args.layer.keys_scale, &args.layer.values_scale};
-  for (int i = 0; i < 7; ++i) {
+      &args.layer.keys, &args.layer.values,     &args.layer.q_window,     &args.layer.window_attention,
+      &args.layer.w_o,  &args.layer.keys_scale, &args.layer.values_scale, &args.layer.scores};
+  for (int i = 0; i < 8; ++i) {
     const char* n = tensor_names[i];
     if (!d.contains(n) || d[n].is_none()) continue;
     const auto obj = py::reinterpret_borrow<py::object>(d[n]);
-    args.tensors.push_back(i >= 5 ? to_scale(obj, where + n) : to_tensor(obj, where + n));
+    const bool scale = i == 5 || i == 6;
+    args.tensors.push_back(scale ? to_scale(obj, where + n) : to_tensor(obj, where + n));
     kvevict_tensor& t = *slots[i] = args.tensors.back().tensor;
     const bool cache = i < 2;
     if (t.dtype == kBytes) {
@@ -218,7 +219,7 @@ void fill_layer(LayerArgs& args, const py::dict& d, const std::string& layout, c
       throw py::value_error("fp8='" + fp8 + "' says the cache holds fp8 codes as uint8, but " + where + n +
                             " is not uint8");
     }
-    if (tokens && (cache || (i >= 5 && t.rank == 2))) {  // [L, Hkv, d] and [L, Hkv] scales
+    if (tokens && (cache || (i >= 5 && t.rank == 2))) {  // [L, Hkv, d], [L, Hkv] scales and scores
       if (cache && t.rank != 3)
         throw py::value_error(where + n + " has " + std::to_string(t.rank) +
                               " dimensions; expected [tokens, kv_heads, head_dim] (layout='tokens')");
@@ -425,24 +426,27 @@ PYBIND11_MODULE(kvevict, m) {
       "select",
       [](const py::object& policy, const std::string& layout, py::object keys, py::object values, py::object q_window,
          py::object window_attention, py::object w_o, py::object lengths, py::object positions, py::object keys_scale,
-         py::object values_scale, py::object fp8, py::kwargs options) {
+         py::object values_scale, py::object scores, py::object fp8, py::kwargs options) {
         py::dict layer;
         layer["keys"] = keys, layer["values"] = values, layer["q_window"] = q_window;
         layer["window_attention"] = window_attention, layer["w_o"] = w_o;
         layer["lengths"] = lengths, layer["positions"] = positions;
-        layer["keys_scale"] = keys_scale, layer["values_scale"] = values_scale;
+        layer["keys_scale"] = keys_scale, layer["values_scale"] = values_scale, layer["scores"] = scores;
         if (keys.is_none()) throw py::value_error("keys is required: [kv_heads, tokens, head_dim]");
         return run(policy, {layer}, layout, fp8, std::move(options)).front();
       },
       py::arg("policy") = py::none(), py::kw_only(), py::arg("layout") = "heads", py::arg("keys") = py::none(),
       py::arg("values") = py::none(), py::arg("q_window") = py::none(), py::arg("window_attention") = py::none(),
       py::arg("w_o") = py::none(), py::arg("lengths") = py::none(), py::arg("positions") = py::none(),
-      py::arg("keys_scale") = py::none(), py::arg("values_scale") = py::none(), py::arg("fp8") = py::none(),
+      py::arg("keys_scale") = py::none(), py::arg("values_scale") = py::none(), py::arg("scores") = py::none(),
+      py::arg("fp8") = py::none(),
       "Selects one layer: policy (a catalogue name, or None with base=/selector=), tensors keys/values [Hkv, L, d] "
       "(layout='heads') or [L, Hkv, d] (layout='tokens'), q_window [H, w, d] or window_attention [H, w, L], "
       "w_o [D, H*d]; optional lengths [Hkv] and positions; a quantized cache: int8 keys/values, or uint8 holding "
       "fp8 codes with fp8='e4m3' or 'e5m2', and optional float32 keys_scale/values_scale: a number, [L] or "
-      "[Hkv, L] ([L, Hkv] with layout='tokens'); exactly one of budget=N, keep=R, compression_ratio=CR; "
+      "[Hkv, L] ([L, Hkv] with layout='tokens'); scores [Hkv, L] ([L, Hkv] with layout='tokens'), the engine's "
+      "per-entry scores for engine-scores, layer-engine-scores and the engine selector; exactly one of budget=N, "
+      "keep=R, compression_ratio=CR; "
       "other options as kvevict-select's. Returns a Selection.");
 
   m.def(
@@ -451,6 +455,7 @@ PYBIND11_MODULE(kvevict, m) {
          const py::object& fp8, py::kwargs options) { return run(policy, layers, layout, fp8, std::move(options)); },
       py::arg("policy"), py::arg("layers"), py::kw_only(), py::arg("layout") = "heads", py::arg("fp8") = py::none(),
       "Selects every layer at once (layer-global policies share one budget across them): layers is a list of dicts "
-      "with the tensors of select() (keys_scale and values_scale included); fp8= as for select(). Returns a list of "
+      "with the tensors of select() (keys_scale, values_scale and scores included); fp8= as for select(). Returns a "
+      "list of "
       "Selection, one per layer.");
 }

@@ -242,6 +242,8 @@ TEST_CASE("catalogue::base_of: each named policy's base, whose composition with 
   CHECK(std::string(cat::base_of<kvevict::TOVA>()) == "snapkv");
   CHECK(std::string(cat::base_of<kvevict::KeyDiff>()) == "snapkv");
   CHECK(std::string(cat::base_of<kvevict::H2O>()) == "snapkv");
+  CHECK(std::string(cat::base_of<kvevict::EngineScores>()) == "defensivekv");  // flat top-k of the layer
+  CHECK(std::string(cat::base_of<kvevict::LayerEngineScores>()) == "layer");
 
   // Generically: compose(base_of<P>(), P's selector) with P's selector parameters selects what P selects.
   Rng rng(1204);
@@ -334,6 +336,8 @@ struct Mixed {
     in.values = kv.in.values;
     in.queries = q.in.queries;
     in.w_o = w.in.w_o;
+    in.scores = q.in.scores;  // the engine's scores go with the queries' storage type: float storage holds them rounded
+    for (std::size_t i = 0; i < wide.scores.size(); ++i) wide.scores[i] = static_cast<float>(q.scores[i]);
   }
 };
 

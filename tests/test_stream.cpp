@@ -47,12 +47,14 @@ struct Engine {
   Index capacity, w;
   kvevict::CacheBook book;
   std::vector<std::vector<double>> k, v, q_window;  // per layer; q_window [H, w, d]
+  mutable std::vector<std::vector<double>> scores;  // per layer [Hkv, capacity]: engine_score of each held entry
 
   Engine(const Source& s, Index cap, Index window) : src(&s), capacity(cap), w(window), book(s.NL, s.Hkv, cap) {
     for (int l = 0; l < s.NL; ++l) {
       k.emplace_back(static_cast<std::size_t>(s.Hkv * cap * s.d), 0.0);
       v.emplace_back(static_cast<std::size_t>(s.Hkv * cap * s.d), 0.0);
       q_window.emplace_back(static_cast<std::size_t>(s.H * window * s.d), 0.0);
+      scores.emplace_back(static_cast<std::size_t>(s.Hkv * cap), 0.0);
     }
   }
   /// The forward pass of c tokens: append their rows after each head's entries, remember the last w queries.
@@ -86,6 +88,11 @@ struct Engine {
     in.keys = kvevict::kv_heads_major<const double>(k[L].data(), src->Hkv, capacity, src->d);
     in.values = kvevict::kv_heads_major<const double>(v[L].data(), src->Hkv, capacity, src->d);
     in.w_o = kvevict::output_projection<const double>(src->w_o[L].data(), src->D, src->H, src->d);
+    for (int h = 0; h < src->Hkv; ++h)
+      for (Index j = 0; j < book.layer(l).length(h); ++j)
+        scores[L][static_cast<std::size_t>(h * capacity + j)] =
+            kvevict_test::engine_score(h, book.layer(l).position(h, j));
+    in.scores = kvevict::HeadsView<const double>::heads_major(scores[L].data(), src->Hkv, capacity, 1);
     return in;
   }
   template <class P>
@@ -108,7 +115,7 @@ struct Engine {
 
 /// The one-shot inputs of the first T tokens of `s`: dense layers, queries of positions T - w .. T - 1.
 struct Dense {
-  std::vector<std::vector<double>> q;
+  std::vector<std::vector<double>> q, scores;
   std::vector<kvevict::LayerInputs<double>> layers;
 };
 Dense dense_inputs(const Source& s, Index w) {
@@ -128,6 +135,8 @@ Dense dense_inputs(const Source& s, Index w) {
     in.keys = kvevict::kv_heads_major<const double>(s.k[L].data(), s.Hkv, s.T, s.d);
     in.values = kvevict::kv_heads_major<const double>(s.v[L].data(), s.Hkv, s.T, s.d);
     in.w_o = kvevict::output_projection<const double>(s.w_o[L].data(), s.D, s.H, s.d);
+    out.scores.push_back(kvevict_test::engine_scores<double>(s.Hkv, s.T));
+    in.scores = kvevict::HeadsView<const double>::heads_major(out.scores.back().data(), s.Hkv, s.T, 1);
     out.layers.push_back(in);
   }
   return out;

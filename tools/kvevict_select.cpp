@@ -6,6 +6,7 @@
 //   layers.{i}.q_window [H, w, d]  or  layers.{i}.window_attention [H, w, L]  (full softmax rows)
 //   layers.{i}.keys [Hkv, L, d], layers.{i}.values [Hkv, L, d] (optional for attention-only policies),
 //   layers.{i}.w_o [D, H*d] (value-aware policies only)
+//   layers.{i}.scores [Hkv, L] (the engine's score of each entry: the engine-score policies only)
 //   dtypes F64, F32, F16, BF16 (keys and values in one dtype, the same in every layer: the cache's); keys and
 //   values also I8, F8_E4M3 or F8_E5M2 (a quantized cache), each with an
 //   optional F32 layers.{i}.keys_scale / values_scale: [] (one factor), [L] or [Hkv, L] (docs/algorithms.md#quantized)

@@ -148,6 +148,7 @@ inline LayerTensors load_layer(const st::file& in, Index layer) {
   l.w_o = t.tensor(in, prefix + "w_o", false);
   l.keys_scale = t.tensor(in, prefix + "keys_scale", false, /*scale=*/true);
   l.values_scale = t.tensor(in, prefix + "values_scale", false, /*scale=*/true);
+  l.scores = t.tensor(in, prefix + "scores", false);
   if (l.keys.rank != 3 || l.keys.shape[0] < 1 || l.keys.shape[1] < 1 || l.keys.shape[2] < 1)
     return t;  // the runtime refuses these keys before it reads lengths or positions
   const Index Hkv = l.keys.shape[0], L = l.keys.shape[1];

@@ -108,9 +108,11 @@ F32, F64, F16 = np.float32, np.float64, np.float16
 
 
 def make_layers(seed, Hkv, G, Ls, d, w, ragged=False, kv=F32, q=F32, wo=None, D=12, int32_ragged=False):
-    """Layers as dicts of select_layers (keys, values [Hkv, L, d], q_window [H, w, d], w_o [D, H d]; ragged layers
-    also lengths [Hkv] and positions [Hkv, L], strictly increasing over every row, padding included)."""
+    """Layers as dicts of select_layers (keys, values [Hkv, L, d], q_window [H, w, d], w_o [D, H d], the engine's
+    scores [Hkv, L] (from a generator of their own, so that the other tensors are those of the seed alone); ragged
+    layers also lengths [Hkv] and positions [Hkv, L], strictly increasing over every row, padding included)."""
     rng = np.random.default_rng(seed)
+    score_rng = np.random.default_rng([seed, 1])
     H = Hkv * G
     layers = []
     for L in Ls:
@@ -119,6 +121,7 @@ def make_layers(seed, Hkv, G, Ls, d, w, ragged=False, kv=F32, q=F32, wo=None, D=
             "values": rng.standard_normal((Hkv, L, d)).astype(kv),
             "q_window": rng.standard_normal((H, w, d)).astype(q),
             "w_o": (rng.standard_normal((D, H * d)) / math.sqrt(H * d)).astype(wo or q),
+            "scores": score_rng.random((Hkv, L)).astype(q),
         }
         if ragged:
             lengths = rng.integers(max(w + 2, L // 2), L + 1, size=Hkv)
@@ -148,7 +151,7 @@ OPTS_RAGGED = dict(seed=12, Hkv=2, G=2, Ls=[40, 36], d=8, w=4, ragged=True)
 
 POLICIES = list(kvevict.policies())
 BASES = ["snapkv", "adakv", "defensivekv", "layer", "pyramidkv"]
-SELECTORS = ["attention", "critical", "defensive", "knorm", "keydiff", "expected", "h2o"]
+SELECTORS = ["attention", "critical", "defensive", "knorm", "keydiff", "expected", "h2o", "engine"]
 COMPOSED = [(b, s) for b in BASES for s in SELECTORS]
 ALL_POLICIES = POLICIES + COMPOSED
 
@@ -167,14 +170,15 @@ def per_head_tova(p, layers, options):
     - TOVA shares one set per layer by default, which needs every KV head at the same positions and refuses
       reference_quirks: on ragged layers (heads with their own lengths or positions), and with reference_quirks, it
       runs per head unless the options choose the sharing;
-    - a key-only selector (knorm, keydiff) composed with a base reads no q_window, so the window is not taken from
-      it: the base's default (32) is too long for these layers, so it gets the data's window unless given one."""
+    - a key-only selector (knorm, keydiff) or the engine's scores (engine) composed with a base reads no q_window,
+      so the window is not taken from it: the base's default (32) is too long for these layers, so it gets the
+      data's window unless given one."""
     options = options or {}
     ragged = any("lengths" in layer or "positions" in layer for layer in layers)
     if p == "tova" and (ragged or options.get("reference_quirks")) and "share" not in options:
         return dict(options, share="head")
     obs = layers[0].get("q_window", layers[0].get("window_attention"))
-    if not isinstance(p, str) and p[1] in ("knorm", "keydiff") and "window" not in options and obs is not None:
+    if not isinstance(p, str) and p[1] in ("knorm", "keydiff", "engine") and "window" not in options and obs is not None:
         return dict(options, window=int(obs.shape[1]))
     return options
 
@@ -702,6 +706,8 @@ def _tokens_major(layers, contiguous=True):
                 t[name] = np.ascontiguousarray(t[name])
         if "positions" in layer:
             t["positions"] = np.ascontiguousarray(layer["positions"].T)
+        if "scores" in layer:
+            t["scores"] = np.ascontiguousarray(layer["scores"].T) if contiguous else layer["scores"].T
         out.append(t)
     return out
 
@@ -890,6 +896,18 @@ ERROR_CASES = [
     ("q-heads-not-multiple", "snapkv", dict(q_window=Q0[:3]), {"keep": 0.5},
      r"queries heads \(3\) must be a multiple of the KV heads \(2\)"),
     ("w_o-columns", "defensivekv", dict(w_o=W0[:, :-1]), {"keep": 0.5}, r"w_o has shape \[12, 31\]"),
+    # the engine's scores
+    ("scores-missing", "engine-scores", dict(scores=None), {"keep": 0.5},
+     r"layers\[0\]\.scores \[kv_heads, tokens\] is missing; the engine-scores policy ranks the score the engine "
+     r"computed for each entry"),
+    ("scores-rank-3", "layer-engine-scores", dict(scores=np.ones((2, 24, 1), F32)), {"keep": 0.5},
+     r"scores has rank 3; expected rank 2 \[kv_heads, tokens\]"),
+    ("scores-shape", "engine-scores", dict(scores=np.ones((2, 23), F32)), {"keep": 0.5},
+     r"scores has shape \[2, 23\]; expected \[2, 24\] \(kv_heads, tokens\) like the keys"),
+    ("scores-nan", "engine-scores", dict(scores=np.full((2, 24), np.nan, F32)), {"keep": 0.5},
+     r"scores\[0, 0\] is not finite \(nan\); the engine's scores must be finite"),
+    ("scores-codes", "engine-scores", dict(scores=np.ones((2, 24), np.int8)), {"keep": 0.5},
+     r"scores is i8: quantized codes are for the keys and values only"),
     ("attention-columns", "snapkv", dict(q_window=None, window_attention=np.full((4, 4, 23), 1 / 23, F32)),
      {"keep": 0.5}, r"attention columns \(23\)"),
     ("q-and-attention", "snapkv", dict(window_attention=np.full((4, 4, 24), 1 / 24, F32)), {"keep": 0.5},

@@ -186,7 +186,8 @@ int kvevict_policy_reads(const kvevict_policy* policy) {
   if (!policy) return 0;
   return (policy->options.reads_observation ? KVEVICT_READS_OBSERVATION : 0) |
          (policy->options.reads_values ? KVEVICT_READS_VALUES : 0) |
-         (policy->options.reads_queries ? KVEVICT_READS_QUERIES : 0);
+         (policy->options.reads_queries ? KVEVICT_READS_QUERIES : 0) |
+         (policy->options.reads_scores ? KVEVICT_READS_SCORES : 0);
 }
 
 kvevict_budget kvevict_tokens(int64_t n_kept) { return {KVEVICT_BUDGET_TOKENS, static_cast<double>(n_kept)}; }

@@ -267,9 +267,10 @@ std::string usage_text() {
          "the C API and Python take the same names with '_' for '-', flags as booleans):\n" +
          options +
          "input per layer i: layers.{i}.q_window [H,w,d] or layers.{i}.window_attention [H,w,L] (not for the\n"
-         "key-only knorm, keydiff and streamingllm), layers.{i}.keys [Hkv,L,d], layers.{i}.values [Hkv,L,d],\n"
-         "layers.{i}.w_o [D,H*d] (value-aware selectors); F64/F32/F16/BF16 (keys and values in one dtype, the\n"
-         "same in every layer).\n"
+         "key-only knorm, keydiff, streamingllm and the engine-score policies), layers.{i}.keys [Hkv,L,d],\n"
+         "layers.{i}.values [Hkv,L,d], layers.{i}.w_o [D,H*d] (value-aware selectors), layers.{i}.scores [Hkv,L]\n"
+         "(the engine's score of each entry: engine-scores, layer-engine-scores, the engine selector);\n"
+         "F64/F32/F16/BF16 (keys and values in one dtype, the same in every layer).\n"
          "quantized caches: keys and values in I8/F8_E4M3/F8_E5M2, optional F32 layers.{i}.keys_scale and\n"
          "layers.{i}.values_scale of shape [] (one factor), [L] (per token) or [Hkv,L] (per KV head and token).\n"
          "ragged layers (optional, I64/I32): layers.{i}.lengths [Hkv] (head h holds rows 0..lengths[h]-1 of keys and\n"
@@ -368,6 +369,7 @@ Options OptionSet::finish(bool needs_budget) const {
     o.reads_observation = made.reads_observation();
     o.reads_values = made.reads_values();
     o.reads_queries = made.reads_queries();
+    o.reads_scores = made.reads_scores();
     o.layout = static_cast<const LayoutParams&>(made.params());
   });
   return o;

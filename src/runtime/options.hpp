@@ -38,6 +38,7 @@ struct Options {
   bool reads_observation = true;  // what the policy reads (LayerInputs::queries or attention; values and w_o)
   bool reads_values = false;
   bool reads_queries = false;    // the observation must be LayerInputs::queries (attention rows will not do)
+  bool reads_scores = false;     // the engine's per-entry scores (LayerInputs::scores: EngineScoreSelector)
   kvevict::LayoutParams layout;  // the policy's layout: the options given over the preset's (TOVA: per_layer, mean)
 
   /// B of --block (1 unless given): > 1 selects whole blocks, and the output lists their ids (kept_blocks).

@@ -160,7 +160,7 @@ inline std::string shape_str(const kvevict_tensor& t) {
 template <class KV, class S>
 struct LayerHold {
   Held<KV> keys, values;
-  Held<S> observation, w_o;
+  Held<S> observation, w_o, scores;  // scores: [Hkv, L, 1]
   std::vector<std::int64_t> positions;
   std::vector<float> keys_scale, values_scale;  // token factors, [Hkv, L] or [L]
   LayerInputs<KV, S, S> inputs;
@@ -295,6 +295,17 @@ std::vector<Selection> select_typed(const Options& options, const kvevict_layer*
         h.w_o = hold<S>(in.w_o, H, in.w_o.shape[0], dv, dv * in.w_o.strides[1], in.w_o.strides[0], in.w_o.strides[1]);
         h.inputs.w_o = h.w_o.view();
       }
+    }
+    if (options.reads_scores) {
+      if (!in.scores.data)
+        throw invalid_argument(at + "scores [kv_heads, tokens] is missing; the " + options.policy +
+                               " policy ranks the score the engine computed for each entry");
+      check_tensor(in.scores, 2, at + "scores", "[kv_heads, tokens]");
+      if (in.scores.shape[0] != Hkv || in.scores.shape[1] != L)
+        throw invalid_argument(at + "scores has shape " + shape_str(in.scores) + "; expected [" + std::to_string(Hkv) +
+                               ", " + std::to_string(L) + "] (kv_heads, tokens) like the keys");
+      h.scores = hold<S>(in.scores, Hkv, L, 1, in.scores.strides[0], in.scores.strides[1], 1);
+      h.inputs.scores = h.scores.view();
     }
     h.inputs.lengths = in.lengths;
     if (in.positions) {

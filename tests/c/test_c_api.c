@@ -58,6 +58,7 @@ typedef struct {
   float q[N_Q];
   float k[N_KV], v[N_KV];
   float w_o[N_WO];
+  float scores[HKV * L]; /* the engine's score of each entry, [HKV, L] */
 } Data;
 
 static void make_data(Data* x, uint64_t seed) {
@@ -67,6 +68,7 @@ static void make_data(Data* x, uint64_t seed) {
   for (i = 0; i < N_KV; ++i) x->k[i] = lcg_normal(1.0);
   for (i = 0; i < N_KV; ++i) x->v[i] = lcg_normal(1.0);
   for (i = 0; i < N_WO; ++i) x->w_o[i] = lcg_normal(0.5);
+  for (i = 0; i < HKV * L; ++i) x->scores[i] = (float)lcg_uniform();
 }
 
 /* IEEE half from float, round to nearest even (normal, subnormal, overflow to infinity). */
@@ -124,9 +126,11 @@ static const int64_t KV_SHAPE[3] = {HKV, L, D_HEAD};
 static const int64_t Q_SHAPE[3] = {H, W, D_HEAD};
 static const int64_t WO_SHAPE[2] = {D_MODEL, N_WO / D_MODEL};
 
-/* Keys, values, q_window and w_o of `x`, all f32 and contiguous. */
+/* Keys, values, q_window, w_o and the engine's scores of `x`, all f32 and contiguous. */
 static kvevict_layer layer_of(const Data* x) {
+  static const int64_t scores_shape[2] = {HKV, L};
   kvevict_layer layer = kvevict_layer_init();
+  layer.scores = kvevict_tensor_contiguous(x->scores, KVEVICT_F32, 2, scores_shape);
   layer.keys = kvevict_tensor_contiguous(x->k, KVEVICT_F32, 3, KV_SHAPE);
   layer.values = kvevict_tensor_contiguous(x->v, KVEVICT_F32, 3, KV_SHAPE);
   layer.q_window = kvevict_tensor_contiguous(x->q, KVEVICT_F32, 3, Q_SHAPE);
@@ -250,11 +254,13 @@ static void test_every_policy(void) {
     if (!p) continue;
     CHECK(strcmp(kvevict_policy_get_name(p), name) == 0);
     reads = kvevict_policy_reads(p);
-    /* positional (streamingllm) and key-only (knorm, keydiff) policies read no window queries or attention */
-    CHECK((reads & KVEVICT_READS_OBSERVATION) ==
-          (strcmp(name, "streamingllm") == 0 || strcmp(name, "knorm") == 0 || strcmp(name, "keydiff") == 0
-               ? 0
-               : KVEVICT_READS_OBSERVATION));
+    /* positional (streamingllm), key-only (knorm, keydiff) and engine-score policies read no window queries or
+     * attention; the engine-score ones read the layers' scores */
+    CHECK((reads & KVEVICT_READS_OBSERVATION) == (strcmp(name, "streamingllm") == 0 || strcmp(name, "knorm") == 0 ||
+                                                          strcmp(name, "keydiff") == 0 || strstr(name, "engine-scores")
+                                                      ? 0
+                                                      : KVEVICT_READS_OBSERVATION));
+    CHECK(((reads & KVEVICT_READS_SCORES) != 0) == (strstr(name, "engine-scores") != NULL));
     CHECK(((reads & KVEVICT_READS_VALUES) != 0) == (strncmp(name, "critical", 8) == 0 || strstr(name, "defensivekv") ||
                                                     strcmp(name, "expected-attention") == 0));
     /* Expected Attention takes the window queries' statistics: window_attention will not do */
@@ -847,7 +853,8 @@ static void test_select_errors(void) {
   kvevict_policy *snap = create("snapkv", NULL, NULL, 0, __LINE__),
                  *crit = create("criticalkv", NULL, NULL, 0, __LINE__),
                  *window5 = create("snapkv", wk, wv, 1, __LINE__), *block8 = create("snapkv", bk, bv, 1, __LINE__),
-                 *global = create("layer-defensivekv", NULL, NULL, 0, __LINE__);
+                 *global = create("layer-defensivekv", NULL, NULL, 0, __LINE__),
+                 *engine = create("engine-scores", NULL, NULL, 0, __LINE__);
   const char* f64k[] = {"precision"};
   const char* f64v[] = {"f64"};
   kvevict_policy* snap64 = create("snapkv", f64k, f64v, 1, __LINE__);
@@ -1001,11 +1008,37 @@ static void test_select_errors(void) {
   select_error("positions strides unset", snap, budget, &bad, 1, "positions_strides", __LINE__);
   CHECK(strlen(kvevict_last_error()) > 0); /* still the last failure's message */
 
+  /* the engine's scores: missing, another shape, codes */
+  bad = good;
+  bad.scores.data = NULL;
+  select_error("scores missing", engine, budget, &bad, 1, "layers[0].scores [kv_heads, tokens] is missing", __LINE__);
+  two[0] = good, two[1] = good, two[1].scores.data = NULL;
+  select_error("scores missing in layer 1", engine, budget, two, 2, "layers[1].scores", __LINE__);
+  bad = good;
+  bad.scores.shape[1] = L - 1;
+  select_error("scores shape", engine, budget, &bad, 1, "scores has shape [2, 39]; expected [2, 40]", __LINE__);
+  bad = good;
+  bad.scores.dtype = KVEVICT_I8;
+  select_error("scores as codes", engine, budget, &bad, 1, "quantized codes are for the keys and values only",
+               __LINE__);
+  bad = good;
+  bad.scores.rank = 3;
+  select_error("scores rank 3", engine, budget, &bad, 1, "scores has rank 3; expected rank 2", __LINE__);
+  /* a policy that reads no scores ignores them, and one that reads them ignores a missing q_window */
+  bad = good;
+  bad.q_window.data = NULL;
+  snprintf(context, sizeof context, "engine-scores without q_window");
+  {
+    kvevict_selection* s = select_ok(engine, budget, &bad, 1, __LINE__);
+    if (s) kvevict_selection_free(s);
+  }
+
   kvevict_policy_free(snap);
   kvevict_policy_free(crit);
   kvevict_policy_free(window5);
   kvevict_policy_free(block8);
   kvevict_policy_free(global);
+  kvevict_policy_free(engine);
   kvevict_policy_free(snap64);
   context[0] = '\0';
 }

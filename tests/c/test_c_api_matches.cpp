@@ -154,7 +154,7 @@ struct Layer {
   int H = 0, Hkv = 0, L = 0, w = 0, d = 0, D = 0;
   Layout layout = Layout::heads_major;
   bool attention = false;
-  Tensor keys, values, obs, w_o;
+  Tensor keys, values, obs, w_o, scores;  // scores [Hkv, L] in the queries' dtype, heads- or tokens-major
   std::vector<std::int64_t> lengths, positions;
   bool tokens_major_positions = false;
   Positions positions_kind = Positions::none;
@@ -165,6 +165,7 @@ struct Layer {
     l.values = values.to_c();
     (attention ? l.window_attention : l.q_window) = obs.to_c();
     l.w_o = w_o.to_c();
+    l.scores = scores.to_c();
     l.lengths = lengths.empty() ? nullptr : lengths.data();
     if (!positions.empty()) {
       if (positions_kind == Positions::reversed) {  // head h's row j at h L + (L - 1 - j)
@@ -235,6 +236,10 @@ Layer dense_layer(const Spec& s, Rng& rng) {
     l.obs = tensor(make_buf(s.q, q), {s.H, s.w, s.d}, {s.w * s.d, s.d, 1});
   }
   l.w_o = wo_tensor(w_o, s.wo, s.wo_transposed, s.D, s.H * s.d);
+  const std::vector<double> scores = kvevict_test::engine_scores<double>(s.Hkv, s.L);  // [Hkv, L]
+  l.scores = s.layout == Layout::tokens_major
+                 ? tensor(make_buf(s.q, kvevict_test::to_tokens_major(scores, s.Hkv, s.L, 1)), {s.Hkv, s.L}, {1, s.Hkv})
+                 : tensor(make_buf(s.q, scores), {s.Hkv, s.L}, {s.L, 1});
   if (s.positions == Positions::reversed) {
     l.positions_kind = Positions::reversed;
     l.positions.resize(sz(s.Hkv * s.L));
@@ -264,6 +269,9 @@ Layer ragged_layer(const Spec& s, Rng& rng) {
   l.values = tensor(make_buf(s.kv, st.v), {s.Hkv, cap, s.d}, {hs, rs, 1});
   l.obs = tensor(make_buf(s.q, st.q), {s.H, s.w, s.d}, {s.w * s.d, s.d, 1});
   l.w_o = wo_tensor(st.w_o, s.wo, s.wo_transposed, r.D, s.H * s.d);
+  l.scores = tensor(
+      make_buf(s.q, st.scores), {s.Hkv, cap},
+      tokens_major ? std::initializer_list<std::int64_t>{1, s.Hkv} : std::initializer_list<std::int64_t>{cap, 1});
   l.lengths = st.lengths;
   if (!s.ragged_no_positions) {
     l.positions = st.positions;
@@ -411,7 +419,7 @@ kvevict::Budget budget_of(const kvevict_budget& b) {
 template <class KV, class S>
 struct Hold {
   std::vector<KV> k, v;  // the transposed layout, copied heads-major
-  std::vector<S> obs, w_o;
+  std::vector<S> obs, w_o, scores;
   std::vector<std::int64_t> positions;
   kvevict::LayerInputs<KV, S, S> in;
 };
@@ -454,6 +462,11 @@ void hold(const Layer& l, bool reads_observation, bool reads_values, Hold<KV, S>
       for (int c = 0; c < Hd; ++c) h.w_o[sz(r * Hd + c)] = l.w_o.buf.at<S>(r * l.w_o.strides[0] + c * l.w_o.strides[1]);
     h.in.w_o = kvevict::output_projection<const S>(h.w_o.data(), l.D, l.H, l.d);
   }
+  h.scores.resize(sz(l.Hkv * l.L));  // as the C API reads them: [Hkv, L] in S
+  for (int a = 0; a < l.Hkv; ++a)
+    for (int j = 0; j < l.L; ++j)
+      h.scores[sz(a * l.L + j)] = l.scores.buf.at<S>(a * l.scores.strides[0] + j * l.scores.strides[1]);
+  h.in.scores = kvevict::HeadsView<const S>::heads_major(h.scores.data(), l.Hkv, l.L, 1);
   h.in.lengths = l.lengths.empty() ? nullptr : l.lengths.data();
   if (!l.positions.empty()) {
     if (l.positions_kind == Positions::reversed) {
@@ -559,15 +572,17 @@ Outcome c_select(const kvevict_policy* policy, const std::vector<Layer>& layers,
   return out;
 }
 
-/// The options policy p runs with on the spec's layers: a key-only selector composed with a base reads no
-/// q_window, so its window is not taken from it and the base's default (32) is too long for these layers: the
-/// data's window unless one is given; TOVA's default sharing (one set per layer) refuses reference_quirks: per head.
+/// The options policy p runs with on the spec's layers: a key-only selector composed with a base, and the
+/// engine-score policies, read no q_window, so their window is not taken from it and the default (32) is too long for
+/// these layers: the data's window unless one is given; TOVA's default sharing (one set per layer) refuses
+/// reference_quirks: per head.
 Options options_for(const PolicyName& p, const Spec& s) {
   Options o = s.options;
   const auto given = [&](const char* name) {
     return std::any_of(o.begin(), o.end(), [&](const auto& kv) { return kv.first == name; });
   };
-  if (p.composed && (p.selector == "knorm" || p.selector == "keydiff") && !given("window"))
+  const bool engine_scores = p.selector == "engine" || p.name == "engine-scores" || p.name == "layer-engine-scores";
+  if (((p.composed && (p.selector == "knorm" || p.selector == "keydiff")) || engine_scores) && !given("window"))
     o.emplace_back("window", std::to_string(s.w));
   if (p.name == "tova" && given("reference_quirks") && !given("share")) o.emplace_back("share", "head");
   return o;
@@ -650,18 +665,19 @@ TEST_CASE("matches: the catalogue names are the C++ catalogue's", "[c_api]") {
     std::string error;
     kvevict_policy* policy = c_policy(p, {}, error);
     REQUIRE(policy != nullptr);
-    bool observation = false, values = false, queries = false;
+    bool observation = false, values = false, queries = false, scores = false;
     auto reads = [&](const auto& entry) {
       const auto made = entry.make();
       observation = made.reads_observation();
       values = made.reads_values();
       queries = made.reads_queries();
+      scores = made.reads_scores();
     };
     REQUIRE((p.composed ? kvevict::catalogue::compose(p.base, p.selector, reads)
                         : kvevict::catalogue::visit(p.name, reads)));
     CHECK(kvevict_policy_reads(policy) ==
           ((observation ? KVEVICT_READS_OBSERVATION : 0) | (values ? KVEVICT_READS_VALUES : 0) |
-           (queries ? KVEVICT_READS_QUERIES : 0)));
+           (queries ? KVEVICT_READS_QUERIES : 0) | (scores ? KVEVICT_READS_SCORES : 0)));
     kvevict_policy_free(policy);
   }
 }

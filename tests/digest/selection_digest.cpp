@@ -8,6 +8,7 @@
 // reductions) and the reference quirks; ragged layers with positions; eviction while the cache grows.
 #include <kvevict/kvevict.hpp>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <random>
@@ -50,11 +51,22 @@ struct Hash {
   }
 };
 
-/// A model: per layer keys, values [Hkv, cap, d], queries [H, w, d], W_o [D, H d]; lengths and positions when ragged.
+/// The score an engine gives the entry of layer l, KV head h at position `pos` (LayerInputs::scores): a fixed
+/// pseudo-random value in [0, 1) that draws nothing from the random stream (the other policies' cases stay as they
+/// were).
+float engine_score(int l, Index h, std::int64_t pos) {
+  const double x = std::sin(12.9898 * static_cast<double>(pos + 1) + 78.233 * static_cast<double>(h + 1) +
+                            3.7 * static_cast<double>(l)) *
+                   43758.5453;
+  return static_cast<float>(x - std::floor(x));
+}
+
+/// A model: per layer keys, values [Hkv, cap, d], queries [H, w, d], W_o [D, H d], the engine's scores [Hkv, cap];
+/// lengths and positions when ragged.
 struct Model {
   int NL = 3, H = 4, Hkv = 2, w = 4, L = 64, d = 16, D = 32;
   bool ragged = false;
-  std::vector<std::vector<float>> k, v, q, w_o;
+  std::vector<std::vector<float>> k, v, q, w_o, scores;
   std::vector<std::vector<std::int64_t>> lengths, positions;
   std::vector<kvevict::LayerInputs<float>> in;
 };
@@ -86,6 +98,9 @@ Model random_model(Rng& rng, bool ragged) {
     }
     m.lengths.push_back(len);
     m.positions.push_back(pos);
+    std::vector<float> scores(pos.size());
+    for (std::size_t i = 0; i < pos.size(); ++i) scores[i] = engine_score(l, static_cast<Index>(i) / m.L, pos[i]);
+    m.scores.push_back(scores);
   }
   for (int l = 0; l < m.NL; ++l) {
     const auto L = static_cast<std::size_t>(l);
@@ -94,6 +109,7 @@ Model random_model(Rng& rng, bool ragged) {
     in.keys = kvevict::kv_heads_major<const float>(m.k[L].data(), m.Hkv, m.L, m.d);
     in.values = kvevict::kv_heads_major<const float>(m.v[L].data(), m.Hkv, m.L, m.d);
     in.w_o = kvevict::output_projection<const float>(m.w_o[L].data(), m.D, m.H, m.d);
+    in.scores = kvevict::HeadsView<const float>::heads_major(m.scores[L].data(), m.Hkv, m.L, 1);
     if (ragged) {
       in.lengths = m.lengths[L].data();
       in.positions = kvevict::positions_heads_major(m.positions[L].data(), m.Hkv, m.L);
@@ -162,9 +178,10 @@ void run_stream(const P& policy, const Model& m, Index n, Index step, const std:
               outcome([&](Hash& hash) {
                 const Index cap = m.L;
                 kvevict::CacheBook book(m.NL, m.Hkv, cap);
-                std::vector<std::vector<float>> k(static_cast<std::size_t>(m.NL)), v = k;
+                std::vector<std::vector<float>> k(static_cast<std::size_t>(m.NL)), v = k, scores = k;
                 for (auto& x : k) x.assign(static_cast<std::size_t>(m.Hkv * cap * m.d), 0.f);
                 for (auto& x : v) x.assign(static_cast<std::size_t>(m.Hkv * cap * m.d), 0.f);
+                for (auto& x : scores) x.assign(static_cast<std::size_t>(m.Hkv * cap), 0.f);
                 Index t = 0;
                 while (t + step <= m.L) {
                   book.append(step);
@@ -189,6 +206,11 @@ void run_stream(const P& policy, const Model& m, Index n, Index step, const std:
                         in.positions = kvevict::PositionsView();
                         in.keys = kvevict::kv_heads_major<const float>(k[L].data(), m.Hkv, cap, m.d);
                         in.values = kvevict::kv_heads_major<const float>(v[L].data(), m.Hkv, cap, m.d);
+                        for (Index h = 0; h < m.Hkv; ++h)  // the scores of what each head holds now
+                          for (Index j = 0; j < book.layer(l).length(h); ++j)
+                            scores[L][static_cast<std::size_t>(h * cap + j)] =
+                                engine_score(static_cast<int>(l), h, book.layer(l).position(h, j));
+                        in.scores = kvevict::HeadsView<const float>::heads_major(scores[L].data(), m.Hkv, cap, 1);
                         return in;
                       },
                       [&](Index l, const Selection& s) {

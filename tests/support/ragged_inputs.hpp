@@ -74,13 +74,6 @@ inline Ragged random_ragged(Rng& rng, int H, int Hkv, int w, int d, int T, doubl
   return r;
 }
 
-/// The score an engine gives the entry of KV head h at original position `pos` (LayerInputs::scores, EngineScores):
-/// a fixed pseudo-random value in [0, 1), so that reading it draws nothing from a test's random stream.
-inline double engine_score(int h, std::int64_t pos) {
-  const double x = std::sin(12.9898 * static_cast<double>(pos + 1) + 78.233 * static_cast<double>(h + 1)) * 43758.5453;
-  return x - std::floor(x);
-}
-
 /// A ragged layer stored in T: keys/values [Hkv, capacity, d] heads-major or [capacity, Hkv, d] tokens-major, the rows
 /// beyond each head's length filled with `junk`; positions likewise (+ `shift`).
 template <class T>

@@ -47,6 +47,23 @@ inline std::vector<double> normal_vector(std::size_t n, Rng& rng, double scale =
   return x;
 }
 
+/// The score an engine gives the entry of KV head h at original position `pos` (LayerInputs::scores: the engine-score
+/// policies):
+/// a fixed pseudo-random value in [0, 1), so that reading it draws nothing from a test's random stream.
+inline double engine_score(int h, std::int64_t pos) {
+  const double x = std::sin(12.9898 * static_cast<double>(pos + 1) + 78.233 * static_cast<double>(h + 1)) * 43758.5453;
+  return x - std::floor(x);
+}
+
+/// engine_score() of every entry of a dense layer, [Hkv, L, 1] heads-major, stored as T.
+template <class T>
+std::vector<T> engine_scores(int Hkv, int L) {
+  std::vector<T> out(sz(Hkv) * sz(L));
+  for (int h = 0; h < Hkv; ++h)
+    for (int j = 0; j < L; ++j) out[sz(h) * sz(L) + sz(j)] = static_cast<T>(engine_score(h, j));
+  return out;
+}
+
 /// One layer's tensors in float64, heads-major: q [H, w, d], k and v [Hkv, L, d].
 /// Queries are scaled so that the window attention is peaked enough for the selections to be meaningful.
 struct Layer {
@@ -127,7 +144,7 @@ std::vector<S> library_attention(const kvevict::HeadsView<const T>& queries, con
 /// Storage of one layer in type T plus the LayerInputs viewing it (heads-major or tokens-major keys and values).
 template <class T>
 struct Stored {
-  std::vector<T> q, k, v, attn;
+  std::vector<T> q, k, v, attn, scores;  // scores: engine_scores() [Hkv, L, 1]
   kvevict::LayerInputs<T> in;
 };
 
@@ -140,6 +157,8 @@ Stored<T> store(const Layer& l, Layout layout, bool with_values = false) {
   Stored<T> st;
   st.q = cast_to<T>(l.q);
   st.in.queries = kvevict::HeadsView<const T>::heads_major(st.q.data(), s.H, s.w, s.d);
+  st.scores = engine_scores<T>(s.Hkv, s.L);
+  st.in.scores = kvevict::HeadsView<const T>::heads_major(st.scores.data(), s.Hkv, s.L, 1);
   if (layout == Layout::heads_major) {
     st.k = cast_to<T>(l.k);
     st.in.keys = kvevict::kv_heads_major<const T>(st.k.data(), s.Hkv, s.L, s.d);

@@ -91,7 +91,7 @@ VLayer rounded_to(VLayer l) {
 /// moving keeps the buffers, so returning it by value is fine.
 template <class T>
 struct VStored {
-  std::vector<T> q, k, v, w_o, attn;
+  std::vector<T> q, k, v, w_o, attn, scores;  // scores: engine_scores() [Hkv, L, 1]
   kvevict::LayerInputs<T> in;
   VStored() = default;
   VStored(const VStored&) = delete;
@@ -126,6 +126,8 @@ VStored<T> store_v(const VLayer& l, Layout layout, const std::vector<double>* at
   }
   st.w_o = cast_to<T>(l.w_o);
   st.in.w_o = kvevict::output_projection<const T>(st.w_o.data(), l.D, s.H, s.d);
+  st.scores = engine_scores<T>(s.Hkv, s.L);
+  st.in.scores = kvevict::HeadsView<const T>::heads_major(st.scores.data(), s.Hkv, s.L, 1);
   return st;
 }
 

@@ -48,8 +48,8 @@ struct FileLayer {
   Index capacity;
 };
 
-/// The tensors of one layer: q_window, keys/values [Hkv, capacity, d] with NaN padding, w_o, lengths [Hkv] and
-/// positions [Hkv, capacity] (-7 padding; kvevict_test::store).
+/// The tensors of one layer: q_window, keys/values [Hkv, capacity, d] with NaN padding, w_o, the engine's scores
+/// [Hkv, capacity], lengths [Hkv] and positions [Hkv, capacity] (-7 padding; kvevict_test::store).
 std::vector<st::tensor_out> layer_tensors(std::size_t i, const FileLayer& x) {
   const kvevict_test::RaggedStored<double> s = kvevict_test::store<double>(x.r, x.capacity, false, kNaN);
   const Ragged& r = x.r;
@@ -58,6 +58,7 @@ std::vector<st::tensor_out> layer_tensors(std::size_t i, const FileLayer& x) {
           st::make_tensor(p + "keys", {r.Hkv, x.capacity, r.d}, s.k, st::dtype::F32),
           st::make_tensor(p + "values", {r.Hkv, x.capacity, r.d}, s.v, st::dtype::F32),
           st::make_tensor(p + "w_o", {r.D, r.H * r.d}, s.w_o, st::dtype::F32),
+          st::make_tensor(p + "scores", {r.Hkv, x.capacity}, s.scores, st::dtype::F32),
           st::make_tensor_i64(p + "lengths", {r.Hkv}, s.lengths),
           st::make_tensor_i64(p + "positions", {r.Hkv, x.capacity}, s.positions)};
 }

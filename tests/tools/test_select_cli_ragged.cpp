@@ -80,8 +80,8 @@ st::tensor_out int_tensor(const std::string& name, const std::vector<std::int64_
   return t;
 }
 
-/// The tensors of one layer: keys/values [Hkv, capacity, d] with NaN padding, positions [Hkv, capacity] with -7
-/// padding (kvevict_test::store), lengths [Hkv].
+/// The tensors of one layer: keys/values [Hkv, capacity, d] with NaN padding, the engine's scores [Hkv, capacity],
+/// positions [Hkv, capacity] with -7 padding (kvevict_test::store), lengths [Hkv].
 std::vector<st::tensor_out> layer_tensors(std::size_t i, const FileLayer& x, const Contents& c) {
   const kvevict_test::RaggedStored<double> s = kvevict_test::store<double>(x.r, x.capacity, false, kNaN);
   const Ragged& r = x.r;
@@ -94,6 +94,7 @@ std::vector<st::tensor_out> layer_tensors(std::size_t i, const FileLayer& x, con
   t.push_back(st::make_tensor(p + "keys", {r.Hkv, x.capacity, r.d}, s.k, c.floats));
   t.push_back(st::make_tensor(p + "values", {r.Hkv, x.capacity, r.d}, s.v, c.floats));
   t.push_back(st::make_tensor(p + "w_o", {r.D, r.H * r.d}, s.w_o, c.floats));
+  t.push_back(st::make_tensor(p + "scores", {r.Hkv, x.capacity}, s.scores, c.floats));
   if (c.lengths) t.push_back(int_tensor(p + "lengths", {r.Hkv}, s.lengths, c.ints));
   if (c.positions) t.push_back(int_tensor(p + "positions", {r.Hkv, x.capacity}, s.positions, c.ints));
   return t;

@@ -365,6 +365,30 @@ TEST_CASE("kvevict-select value-aware policies reject bad input with one clear l
     st::write(bad.string(), t);
     expect_failure("--policy criticalkv --budget 12" + io(bad, out), 1, "layers.0.w_o has rank 1");
   }
+  SECTION("engine scores missing, of the wrong shape, or not finite") {
+    std::vector<st::tensor_out> t;
+    const auto& x = layers[0].l;
+    t.push_back(st::make_tensor("layers.0.keys", {2, 40, 8}, x.k, st::dtype::F32));
+    t.push_back(st::make_tensor("layers.0.values", {2, 40, 8}, x.v, st::dtype::F32));
+    st::write(bad.string(), t);
+    for (const char* p : {"engine-scores", "layer-engine-scores"})
+      expect_failure(std::string("--policy ") + p + " --budget 12" + io(bad, out), 1,
+                     "layers.0.scores [kv_heads, tokens] is missing; the " + std::string(p) + " policy ranks");
+    expect_failure("--base adakv --selector engine --budget 12" + io(bad, out), 1, "layers.0.scores");
+    std::vector<double> scores(80, 0.5);
+    t.push_back(st::make_tensor("layers.0.scores", {40, 2}, scores, st::dtype::F32));
+    st::write(bad.string(), t);
+    expect_failure("--policy engine-scores --budget 12" + io(bad, out), 1,
+                   "layers.0.scores has shape [40, 2]; expected [2, 40]");
+    scores[3] = std::numeric_limits<double>::quiet_NaN();
+    t.back() = st::make_tensor("layers.0.scores", {2, 40}, scores, st::dtype::F32);
+    st::write(bad.string(), t);
+    expect_failure("--policy engine-scores --budget 12" + io(bad, out), 1, "scores[0, 3] is not finite");
+    scores[3] = 0.25;
+    t.back() = st::make_tensor("layers.0.scores", {2, 40}, scores, st::dtype::F32);
+    st::write(bad.string(), t);
+    CHECK(run_cli("--policy engine-scores --budget 12" + io(bad, out)).status == 0);  // no queries needed
+  }
   SECTION("NaN in values") {
     std::vector<Layer> poisoned = layers;
     poisoned[1].l.v[17] = std::numeric_limits<double>::quiet_NaN();

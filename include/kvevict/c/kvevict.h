@@ -81,14 +81,18 @@ typedef struct kvevict_tensor {
  *                     v_scale), [L] (one per token, shared by the KV heads) or [Hkv, L] (one per KV head and token,
  *                     any strides); absent: 1. Entry j of KV head h holds float(code) * factor, and the selection
  *                     is exactly that of F32 keys and values holding those values (docs/algorithms.md#quantized)
+ *   scores            [Hkv, L]     the score the engine computed for each entry (KVzip's replay, ...; rows past a
+ *                     ragged head's length are not read), any of the first four dtypes and any strides; read by
+ *                     the policies that rank the engine's scores (docs/algorithms.md#engine-scores)
  * Only what the policy reads needs to be present (kvevict_policy_reads). Fields were added at the end over time
- * (the scales last): start from kvevict_layer_init(). */
+ * (the scales, then scores last): start from kvevict_layer_init(). */
 typedef struct kvevict_layer {
   kvevict_tensor keys, values, q_window, window_attention, w_o;
   const int64_t* lengths;
   const int64_t* positions;
   int64_t positions_strides[2];
   kvevict_tensor keys_scale, values_scale;
+  kvevict_tensor scores;
 } kvevict_layer;
 
 typedef enum kvevict_budget_kind {
@@ -105,9 +109,10 @@ typedef struct kvevict_budget {
 typedef struct kvevict_policy kvevict_policy;       /* opaque, immutable */
 typedef struct kvevict_selection kvevict_selection; /* opaque: the kept entries of every layer */
 
-/* What a policy reads (bit set): observation (q_window or window_attention), values and w_o, and whether the
- * observation must be q_window (window_attention will not do: Expected Attention's query statistics). */
-enum { KVEVICT_READS_OBSERVATION = 1, KVEVICT_READS_VALUES = 2, KVEVICT_READS_QUERIES = 4 };
+/* What a policy reads (bit set): observation (q_window or window_attention), values and w_o, whether the
+ * observation must be q_window (window_attention will not do: Expected Attention's query statistics), and the
+ * engine's per-entry scores (engine-scores, layer-engine-scores, any base + "engine"). */
+enum { KVEVICT_READS_OBSERVATION = 1, KVEVICT_READS_VALUES = 2, KVEVICT_READS_QUERIES = 4, KVEVICT_READS_SCORES = 8 };
 
 /* The library version, "MAJOR.MINOR.PATCH". */
 KVEVICT_C_API const char* kvevict_version(void);

@@ -22,6 +22,7 @@
 #include "kvevict/policy/presets.hpp"
 #include "kvevict/selectors/critical_selector.hpp"
 #include "kvevict/selectors/defensive_selector.hpp"
+#include "kvevict/selectors/engine_score_selector.hpp"
 #include "kvevict/selectors/expected_attention_selector.hpp"
 #include "kvevict/selectors/h2o_selector.hpp"
 #include "kvevict/selectors/key_diff_selector.hpp"
@@ -206,7 +207,11 @@ inline auto entries() {
                                "attention the next 512 queries are expected to pay, times ||v|| (kvpress)"},
       Entry<H2O>{"h2o", "attention received from every query so far, plus the recent half (arXiv 2306.14048)"},
       Entry<OpenDefensiveKV>{"open-defensivekv",
-                             "ours: Layer-DefensiveKV unpooled, the window's tokens scored instead of kept"});
+                             "ours: Layer-DefensiveKV unpooled, the window's tokens scored instead of kept"},
+      Entry<EngineScores>{"engine-scores",
+                          "scores the engine computed (LayerInputs::scores: KVzip's replay, ...); flat top-k"},
+      Entry<LayerEngineScores>{"layer-engine-scores",
+                               "the engine's scores with one budget across layers (KVzip, arXiv 2505.23416)"});
 }
 
 /// The bases of a composition Policy<Base, Selector> (their allocation and its defaults) and the selectors.
@@ -226,7 +231,8 @@ inline auto selectors() {
   return std::make_tuple(SelectorEntry<AttentionSelector>{"attention"}, SelectorEntry<CriticalSelector>{"critical"},
                          SelectorEntry<DefensiveSelector>{"defensive"}, SelectorEntry<KeyNormSelector>{"knorm"},
                          SelectorEntry<KeyDiffSelector>{"keydiff"},
-                         SelectorEntry<ExpectedAttentionSelector>{"expected"}, SelectorEntry<H2OSelector>{"h2o"});
+                         SelectorEntry<ExpectedAttentionSelector>{"expected"}, SelectorEntry<H2OSelector>{"h2o"},
+                         SelectorEntry<EngineScoreSelector>{"engine"});
 }
 
 /// Calls f(entry) for every element of a tuple of entries, in order.

@@ -159,6 +159,13 @@ struct reads_queries : std::false_type {};
 template <class T>
 struct reads_queries<T, std::void_t<decltype(T::reads_queries())>> : std::bool_constant<T::reads_queries()> {};
 
+/// Whether a Selector reads the engine's per-entry scores (LayerInputs::scores): false unless it declares
+///   static constexpr bool reads_scores() { return true; }   // scores the engine computed (EngineScoreSelector)
+template <class T, class = void>
+struct reads_scores : std::false_type {};
+template <class T>
+struct reads_scores<T, std::void_t<decltype(T::reads_scores())>> : std::bool_constant<T::reads_scores()> {};
+
 /// Whether a Selector keeps an observation window (the last `window` entries, above every score): true unless it
 /// declares
 ///   static constexpr bool has_window() { return false; }   // positional (RecencySelector)

@@ -78,9 +78,11 @@ class Policy {
   const Params& params() const { return params_; }
   /// The preset's name (e.g. "SnapKV"), or "Policy<Base, Selector>" for a composition.
   const std::string& name() const { return name_; }
-  /// Whether select() reads the window observation (queries or attention), only the queries, values and W_o.
+  /// Whether select() reads the window observation (queries or attention), only the queries, the engine's scores,
+  /// values and W_o.
   static constexpr bool reads_observation() { return detail::reads_observation<SelectorType>::value; }
   static constexpr bool reads_queries() { return detail::reads_queries<SelectorType>::value; }
+  static constexpr bool reads_scores() { return detail::reads_scores<SelectorType>::value; }
   bool reads_values() const { return selector_.reads_values(); }
   /// Whether one budget spans the model's layers (LayerGlobalAllocation): select every layer at once.
   static constexpr bool allocates_model() { return detail::allocates_model<Allocation>::value; }

@@ -179,8 +179,9 @@ class OpenDefensiveKV : public LayerGlobalPolicy<DefensiveSelector> {
   explicit OpenDefensiveKV(const Params& p = Params{}) : Policy(p, type_name) {}
 };
 
-/// Scores from the engine (docs/algorithms.md#engine-scores): LayerInputs::scores as they are (kernel 1), the window
-/// of 32 kept, one flat top-k over the layer (head-adaptive without the safeguard, as DefensiveKV).
+/// Scores from the engine (docs/algorithms.md#engine-scores): LayerInputs::scores as they are (kernel 1), no window
+/// (window 0, as KVzip: the engine scored every entry, the newest included), one flat top-k over the layer
+/// (head-adaptive without the safeguard, as DefensiveKV).
 class EngineScores : public Policy<HeadAdaptiveAllocation, EngineScoreSelector> {
  public:
   static constexpr const char* type_name = "EngineScores";
@@ -188,17 +189,22 @@ class EngineScores : public Policy<HeadAdaptiveAllocation, EngineScoreSelector> 
     Params() {
       alpha = 0.0;
       kernel = 1;
+      window = 0;
     }
   };
   explicit EngineScores(const Params& p = Params{}) : Policy(p, type_name) {}
 };
 
-/// The engine's scores with one budget across layers (KVzip's default: one top-k over every head of every layer).
+/// The engine's scores with one budget across layers (KVzip's default: one top-k over every head of every layer),
+/// kernel 1, window 0.
 class LayerEngineScores : public LayerGlobalPolicy<EngineScoreSelector> {
  public:
   static constexpr const char* type_name = "LayerEngineScores";
   struct Params : Policy::Params {
-    Params() { kernel = 1; }
+    Params() {
+      kernel = 1;
+      window = 0;
+    }
   };
   explicit LayerEngineScores(const Params& p = Params{}) : Policy(p, type_name) {}
 };

@@ -26,6 +26,7 @@ struct EngineScoreSelector {
   explicit EngineScoreSelector(const Params&) {}
   /// The engine did the observing: a policy over this selector needs no window queries or attention.
   static constexpr bool reads_observation() { return false; }
+  static constexpr bool reads_scores() { return true; }
   bool reads_values() const { return false; }
   void adjust_budget(extend::LayerBudget& /*budget*/, const extend::LayerShape& /*shape*/,
                      const ScoringParams& /*common*/, const char* /*where*/) const {}

@@ -10,6 +10,7 @@
 ///   static constexpr bool reads_observation();  // optional, default true: false for key-only scores
 ///   static constexpr bool has_window();         // optional, default true: false for positional scores (window 0)
 ///   static constexpr bool reads_queries();      // optional, default false: true when attention rows will not do
+///   static constexpr bool reads_scores();       // optional, default false: true when it reads LayerInputs::scores
 ///   template <class S> struct Layer { ScoreMap<S> allocation; ... };  // state between the two phases
 ///   void adjust_budget(LayerBudget&, const LayerShape&, const ScoringParams&, const char* where) const;
 ///       may change the layer total (reference quirks of the flat top-k totals)
