@@ -7,6 +7,8 @@
 //   per_head/16   each KV head keeps or evicts whole blocks of B = 16 rows (pages)
 //   per_layer/16  pages holding every KV head of a token (vLLM, TensorRT-LLM)
 //   per_model/16  one set for every head of every layer, in blocks (llama.cpp's cells, paged)
+//   per_layer/16/prefix  pages as per_layer/16, with a shared prompt prefix of L / 16 positions protected and kept on
+//                 top of the budget (docs/algorithms.md#protected-prefix; x_tokens: against per_head/1 without it)
 // Value-aware policies run in the engine's form, "<name>-l2-gram" (value_norm = l2, the Gram matrices precomputed
 // once per layer, LayerInputs::w_o_gram). Counters, measured in the same process:
 //   x_floor    time / (kLayers * the window-attention GEMM of one layer): the floor of bench_policies.cpp
@@ -107,11 +109,12 @@ const Stack& stack(const Model& m, Index L) {
 
 template <class Policy>
 void BM_Layout(benchmark::State& state, const Model& m, Index L, const Policy& policy, const Policy& tokens,
-               bool baseline) {
+               bool baseline, bool prefix) {
   const Stack& s = stack(m, L);
   const std::vector<kvevict::LayerInputs<float>> layers =
       observed_by(policy, policy.reads_values() ? s.with_gram : s.plain);
-  const auto budget = kvevict::Budget::keep_ratio(kKeep);
+  const auto plain = kvevict::Budget::keep_ratio(kKeep);
+  const auto budget = prefix ? plain.protect_prefix(L / 16, kvevict::Budget::PrefixBudget::extra) : plain;
   const auto n_kept = static_cast<Index>(budget.n_kept(L));
   double total = 0, total_tokens = 0, extra_bytes = 0;
   Index kept = 0;
@@ -127,7 +130,7 @@ void BM_Layout(benchmark::State& state, const Model& m, Index L, const Policy& p
     state.SetIterationTime(t);
     total += t;
     if (!baseline)
-      total_tokens += seconds([&] { benchmark::DoNotOptimize(kvevict::select_layers(tokens, layers, budget).data()); });
+      total_tokens += seconds([&] { benchmark::DoNotOptimize(kvevict::select_layers(tokens, layers, plain).data()); });
   }
   const double per_iter = total / static_cast<double>(state.iterations());
   state.counters["x_floor"] = per_iter / (static_cast<double>(kLayers) * s.floors.window);
@@ -142,12 +145,11 @@ void BM_Layout(benchmark::State& state, const Model& m, Index L, const Policy& p
 struct Layout {
   kvevict::Sharing share;
   Index block;
+  bool prefix = false;  // a protected prefix of L / 16 positions, kept on top of the budget
 };
-constexpr Layout kLayouts[] = {{kvevict::Sharing::per_head, 1},
-                               {kvevict::Sharing::per_layer, 1},
-                               {kvevict::Sharing::per_head, 16},
-                               {kvevict::Sharing::per_layer, 16},
-                               {kvevict::Sharing::per_model, 16}};
+constexpr Layout kLayouts[] = {{kvevict::Sharing::per_head, 1},   {kvevict::Sharing::per_layer, 1},
+                               {kvevict::Sharing::per_head, 16},  {kvevict::Sharing::per_layer, 16},
+                               {kvevict::Sharing::per_model, 16}, {kvevict::Sharing::per_layer, 16, true}};
 
 void register_layout() {
   const Model m = kLlama8B;
@@ -164,11 +166,11 @@ void register_layout() {
         k.block = layout.block;
         const bool baseline = layout.share == kvevict::Sharing::per_head && layout.block == 1;
         const std::string name = "BM_layout/" + row + "/" + kvevict::to_string(layout.share) + "/" +
-                                 std::to_string(layout.block) + "/" + m.name + "/" + std::to_string(L);
+                                 std::to_string(layout.block) + (layout.prefix ? "/prefix/" : "/") + m.name + "/" +
+                                 std::to_string(L);
         benchmark::RegisterBenchmark(name.c_str(),
-                                     [m, L, policy = entry.make(k), tokens, baseline](benchmark::State& s) {
-                                       BM_Layout(s, m, L, policy, tokens, baseline);
-                                     })
+                                     [m, L, policy = entry.make(k), tokens, baseline, prefix = layout.prefix](
+                                         benchmark::State& s) { BM_Layout(s, m, L, policy, tokens, baseline, prefix); })
             ->Unit(benchmark::kMillisecond)
             ->UseManualTime();
       }

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "support/matchers.hpp"
 #include "support/ragged_inputs.hpp"
 #include "support/random_inputs.hpp"
 #include "support/reference_layout.hpp"
@@ -237,6 +238,93 @@ TEST_CASE("layout reference: every policy x sharing x block x reduce, random lay
   }
   CHECK(compared > 1000);
   CHECK(near_ties * 100 < compared);  // rare: a tie broken by rounding, not a semantic difference
+}
+
+TEST_CASE("layout reference: a protected prefix, counted or on top, under every layout, refused when it does not fit",
+          "[layout][reference][protected]") {
+  // docs/algorithms.md#protected-prefix: the entries at original positions < p rank above every other entry of every
+  // map. The library keeps what the reference keeps with that tier; it refuses the budget exactly when the
+  // reference's selection would drop a protected entry.
+  Rng rng(881);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  int compared = 0, refused = 0, near_ties = 0;
+  for (int trial = 0; trial < 12; ++trial) {
+    const int Hkv = 1 + trial % 3, G = 1 + (trial / 3) % 2, w = 1 + trial % 4, d = 4 + 4 * (trial % 2);
+    const int NL = 1 + trial % 3, T = 40 + 5 * trial;
+    for (kvevict::Sharing share :
+         {kvevict::Sharing::per_head, kvevict::Sharing::per_layer, kvevict::Sharing::per_model}) {
+      const std::vector<Ragged> model = random_model(rng, NL, Hkv * G, Hkv, w, d, T, 0.5 + 0.02 * trial, share);
+      std::vector<kvevict_test::RaggedStored<double>> stored;
+      std::vector<kvevict::LayerInputs<double>> inputs;
+      Index min_entries = std::numeric_limits<Index>::max();
+      for (const Ragged& r : model) {
+        stored.push_back(kvevict_test::store<double>(r, kvevict_test::longest(r) + 2, trial % 2 == 0, nan, 0));
+        Index entries = 0;
+        for (int h = 0; h < Hkv; ++h) entries += kvevict_test::length(r, h);
+        min_entries = std::min(min_entries, entries / Hkv);
+      }
+      for (const auto& st : stored) inputs.push_back(st.in);
+      const std::int64_t p = 3 + (trial * 7) % (T / 3);
+      for (Index block : {Index(1), Index(4)})
+        for (Budget::PrefixBudget counting : {Budget::PrefixBudget::counted, Budget::PrefixBudget::extra})
+          for (Index n : {std::max<Index>(block, w), std::max<Index>(block, min_entries / 2)}) {
+            kvevict::LayoutParams layout;
+            layout.share = share;
+            layout.block = block;
+            layout.reduce = trial % 2 ? kvevict::Reduce::mean : kvevict::Reduce::max;
+            const Budget budget = Budget::tokens(n).protect_prefix(p, counting);
+            // The reference's n_kept: the library's (n, plus p on top: at most the mean entries per head).
+            const std::int64_t n_ref =
+                counting == Budget::PrefixBudget::extra ? n + std::min<std::int64_t>(p, min_entries) : n;
+            if (n_ref > min_entries) continue;
+            const std::vector<std::int64_t> n_kept(model.size(), n_ref);
+            const auto check = [&](const char* name, lref::Method m, const auto& policy) {
+              const std::vector<ref::KeptRows> want =
+                  lref::select(m, model, n_kept, lref::preset(m), ref_layout(layout), p);
+              bool drops = false;  // whether the reference drops a protected entry
+              for (std::size_t l = 0; l < model.size(); ++l)
+                for (int h = 0; h < Hkv; ++h) {
+                  const auto& pos = model[l].heads[static_cast<std::size_t>(h)].pos;
+                  const auto& kept = want[l][static_cast<std::size_t>(h)];
+                  for (std::size_t j = 0; j < pos.size(); ++j)
+                    if (pos[j] < p && !std::binary_search(kept.begin(), kept.end(), static_cast<std::int64_t>(j)))
+                      drops = true;
+                }
+              INFO(name << " share " << kvevict::to_string(share) << " block " << block << " n " << n << " p " << p
+                        << (counting == Budget::PrefixBudget::extra ? " extra" : " counted") << " trial " << trial);
+              INFO("want " << show(want));
+              if (drops) {
+                ++refused;
+                REQUIRE_THROWS_MATCHES(kvevict::select_layers<double>(policy, inputs, budget),
+                                       kvevict::invalid_argument,
+                                       kvevict_test::MessageContains("its protected prefix: a budget that counts"));
+                return;
+              }
+              const std::vector<Selection> got = kvevict::select_layers<double>(policy, inputs, budget);
+              INFO("got  " << show(rows_of(got)));
+              if (rows_of(got) != want) {
+                ++near_ties;
+                CHECK(near_tie_swap(rows_of(got), want, m, model, n_kept, lref::preset(m), ref_layout(layout)));
+              }
+              ++compared;
+            };
+            check("snapkv", lref::Method::snapkv, make<kvevict::SnapKV>({}, w, layout));
+            check("adakv", lref::Method::adakv, make<kvevict::AdaKV>({}, w, layout));
+            check("criticalkv", lref::Method::criticalkv, make<kvevict::CriticalKV>({}, w, layout));
+            check("critical_snapkv", lref::Method::critical_snapkv, make<kvevict::CriticalSnapKV>({}, w, layout));
+            check("defensivekv", lref::Method::defensivekv, make<kvevict::DefensiveKV>({}, w, layout));
+            check("layer_defensivekv", lref::Method::layer_defensivekv, make<kvevict::LayerDefensiveKV>({}, w, layout));
+            check("knorm", lref::Method::knorm, make<kvevict::KNorm>({}, w, layout));
+            kvevict::StreamingLLM::Params sp;
+            static_cast<kvevict::LayoutParams&>(sp) = layout;
+            check("streamingllm", lref::Method::streamingllm, kvevict::StreamingLLM(sp));
+          }
+    }
+  }
+  INFO("compared " << compared << ", refused " << refused);
+  CHECK(compared > 300);
+  CHECK(refused > 20);
+  CHECK(near_ties * 50 < compared + 50);
 }
 
 }  // namespace test_layout_reference

@@ -603,6 +603,23 @@ def test_select_equals_select_layers():
     assert_same_selections([one], kvevict.select_layers(None, [layer], base="adakv", selector="critical", budget=7))
 
 
+def test_protected_prefix():
+    """docs/algorithms.md#protected-prefix: protect_prefix=P keeps every entry at a position < P, counted in the
+    budget or on top of it (prefix_budget="extra"); a counted budget that cannot hold it is refused by name."""
+    layers = make_layers(**CONFIGS["g1-1layer-d4-f32"])  # 2 KV heads, 24 entries at positions 0 .. 23
+    for p in POLICIES:
+        for budget, kwargs in ((12, {}), (4, {"prefix_budget": "extra"})):
+            (sel,) = kvevict.select_layers(p, layers, budget=budget, protect_prefix=8, share="layer", block=4, **kwargs)
+            for h in range(2):
+                kept = sel.positions[sel.offsets[h]:sel.offsets[h + 1]]
+                assert set(range(8)) <= set(kept.tolist()), (p, budget, kwargs)
+                assert len(kept) == 12, (p, budget, kwargs)
+    with pytest.raises(ValueError, match="fewer than the 2 blocks that hold its protected prefix"):
+        kvevict.select_layers("snapkv", layers, budget=4, protect_prefix=8, share="layer", block=4)
+    with pytest.raises(ValueError, match="protect_prefix must be >= 0, got -2"):
+        kvevict.select_layers("snapkv", layers, budget=4, protect_prefix=-2)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # 2. Inputs.
 

@@ -112,6 +112,12 @@ std::vector<Parameter> make_table() {
              [](D d, V v) { d.options.knobs.reduce = v.text == "max" ? Reduce::max : Reduce::mean; }),
       integer("block", "B", "1: tokens", "keep or evict whole blocks of B rows, at most n_kept", "1",
               [](D d, V v) { d.options.knobs.block = v.integer; }),
+      integer("protect-prefix", "P", "0: none",
+              "entries at original positions < P (a shared prompt prefix) are never evicted", "0",
+              [](D d, V v) { d.options.protect_prefix = v.integer; }),
+      choice("prefix-budget", {"counted", "extra"}, "counted",
+             "whether the budget counts the protected prefix or keeps it on top",
+             [](D d, V v) { d.options.prefix_extra = v.text == "extra"; }),
       real("eps", "E", "1e-4", "CriticalKV eps", "0", false, "", false, [](D d, V v) { d.options.knobs.eps = v.real; }),
       real("first-stage-ratio", "R", "0.5", "CriticalKV share of each head's budget chosen by attention", "0", false,
            "1", false, [](D d, V v) { d.options.knobs.first_stage_ratio = v.real; }),
@@ -220,18 +226,28 @@ const Parameter* find_parameter(std::string_view name) {
   return nullptr;
 }
 
+kvevict::Budget Options::protected_budget(const kvevict::Budget& b) const {
+  return b.protect_prefix(protect_prefix,
+                          prefix_extra ? kvevict::Budget::PrefixBudget::extra : kvevict::Budget::PrefixBudget::counted);
+}
+
 std::map<std::string, std::string> Options::metadata() const {
-  return {{"policy", policy},
-          {"base", base},
-          {"selector", selector},
-          {"budget", budget_text},
-          {"precision", precision},
-          {"reference_quirks", knobs.reference_quirks.value_or(false) ? "1" : "0"},
-          {"share", layout.share == Sharing::per_head    ? "head"
-                    : layout.share == Sharing::per_layer ? "layer"
-                                                         : "model"},
-          {"reduce", layout.reduce == Reduce::max ? "max" : "mean"},
-          {"block", std::to_string(block())}};
+  std::map<std::string, std::string> out = {{"policy", policy},
+                                            {"base", base},
+                                            {"selector", selector},
+                                            {"budget", budget_text},
+                                            {"precision", precision},
+                                            {"reference_quirks", knobs.reference_quirks.value_or(false) ? "1" : "0"},
+                                            {"share", layout.share == Sharing::per_head    ? "head"
+                                                      : layout.share == Sharing::per_layer ? "layer"
+                                                                                           : "model"},
+                                            {"reduce", layout.reduce == Reduce::max ? "max" : "mean"},
+                                            {"block", std::to_string(block())}};
+  if (protect_prefix > 0) {
+    out["protect_prefix"] = std::to_string(protect_prefix);
+    out["prefix_budget"] = prefix_extra ? "extra" : "counted";
+  }
+  return out;
 }
 
 std::string usage_text() {

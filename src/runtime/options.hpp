@@ -40,6 +40,12 @@ struct Options {
   bool reads_queries = false;    // the observation must be LayerInputs::queries (attention rows will not do)
   bool reads_scores = false;     // the engine's per-entry scores (LayerInputs::scores: EngineScoreSelector)
   kvevict::LayoutParams layout;  // the policy's layout: the options given over the preset's (TOVA: per_layer, mean)
+  Index protect_prefix =
+      0;  // entries at original positions < P are never evicted (docs/algorithms.md#protected-prefix)
+  bool prefix_extra = false;  // the protected prefix is kept on top of the budget (else counted in it)
+
+  /// `b` with the protected prefix of these options (the budget given apart, as the C API and Python give it).
+  kvevict::Budget protected_budget(const kvevict::Budget& b) const;
 
   /// B of --block (1 unless given): > 1 selects whole blocks, and the output lists their ids (kept_blocks).
   Index block() const { return layout.block; }

@@ -596,6 +596,9 @@ static void test_ragged(void) {
 
 /* ---- options ---------------------------------------------------------------------------------------------------- */
 
+static void select_error(const char* what, const kvevict_policy* p, kvevict_budget b, const kvevict_layer* layers,
+                         size_t n, const char* word, int line);
+
 static void test_options(void) {
   static Data a, b;
   kvevict_layer layers[2];
@@ -614,6 +617,37 @@ static void test_options(void) {
     if (s) check_structure(s, 0, NULL, NULL, __LINE__); /* the original variant rounds each head's budget */
     kvevict_selection_free(s);
     kvevict_policy_free(p);
+  }
+  { /* protect_prefix: every entry at a position < 12 stays, counted in the budget or on top (prefix_budget) */
+    const char* k[] = {"protect_prefix", "prefix_budget", "share", "block"};
+    const char* counted_v[] = {"12", "counted", "layer", "4"};
+    const char* extra_v[] = {"12", "extra", "layer", "4"};
+    int variant;
+    for (variant = 0; variant < 2; ++variant) {
+      kvevict_policy* p = create("defensivekv", k, variant ? extra_v : counted_v, 4, __LINE__);
+      kvevict_selection* s;
+      snprintf(context, sizeof context, "option protect_prefix (%s)", variant ? "extra" : "counted");
+      s = p ? select_ok(p, kvevict_tokens(variant ? 4 : 16), layers, 2, __LINE__) : NULL;
+      if (s) {
+        size_t l;
+        for (l = 0; l < 2; ++l) {
+          const int64_t* off = kvevict_selection_offsets(s, l);
+          const int64_t* pos = kvevict_selection_positions(s, l);
+          int h;
+          for (h = 0; h < HKV; ++h) {
+            int64_t i, below = 0;
+            for (i = off[h]; i < off[h + 1]; ++i) below += pos[i] < 12;
+            CHECK(below == 12);
+            CHECK(off[h + 1] - off[h] == 16);
+          }
+        }
+      }
+      kvevict_selection_free(s);
+      if (p && !variant) /* counted, 8 cannot hold the 12 protected entries (3 blocks of 4) */
+        select_error("protected prefix over the budget", p, kvevict_tokens(8), layers, 2, "its protected prefix",
+                     __LINE__);
+      kvevict_policy_free(p);
+    }
   }
   { /* share=layer: every head of a layer keeps one set; share=model: every head of every layer */
     const char* k[] = {"share"};

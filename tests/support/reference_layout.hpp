@@ -98,6 +98,7 @@ constexpr int kScored = 0;
 constexpr int kForced = 1;
 constexpr int kWindow = 2;
 constexpr int kSafeguard = 3;
+constexpr int kProtected = 4;  // docs/algorithms.md#protected-prefix: original positions < p, above everything
 
 enum class Share { per_head, per_layer, per_model };
 enum class Reduce { max, mean };
@@ -464,7 +465,10 @@ inline std::vector<Blocks> promote_safeguard(std::vector<Blocks> scope, std::int
   assert(alpha >= 0.0 && alpha <= 1.0);
   const std::int64_t n_safe = detail::py_int(static_cast<double>(n_blocks) * alpha);
   for (Blocks& g : scope)
-    for (const Block& t : top_k(g.blocks, std::min(n_safe, g.U))) g.blocks[detail::sz(t.id)].tier = kSafeguard;
+    for (const Block& t : top_k(g.blocks, std::min(n_safe, g.U))) {
+      int& tier = g.blocks[detail::sz(t.id)].tier;
+      tier = std::max(tier, kSafeguard);  // a protected block stays protected
+    }
   return scope;
 }
 
@@ -829,16 +833,26 @@ inline Maps method_maps(Method m, const std::vector<ragged::Layer>& layers, cons
 // in every layer). Returns the kept rows per layer (per KV head, ascending). The caller passes the method's
 // parameters (preset(m) for the library presets' defaults): alpha is read by adakv, adakv_original, criticalkv,
 // defensivekv and adakv_defensive; layer_defensivekv, snapkv, critical_snapkv and streamingllm ignore it.
+// With `protect` = p > 0 (docs/algorithms.md#protected-prefix), every cell at an original position < p of every map
+// is in the protected tier; n_kept then counts it (an extra prefix: the caller adds p to n_kept). The caller checks
+// that the budget holds the prefix (the library refuses one that does not).
 inline std::vector<KeptRows> select(Method m, const std::vector<ragged::Layer>& layers,
                                     const std::vector<std::int64_t>& n_kept, const MethodParams& p,
-                                    const Layout& layout) {
+                                    const Layout& layout, std::int64_t protect = 0) {
   assert(!layers.empty() && layers.size() == n_kept.size());
   AllocParams ap;
   ap.allocation = allocation_of(m);
   ap.alpha = p.alpha;
   ap.critical = m == Method::criticalkv || m == Method::critical_snapkv;
   ap.first_stage_ratio = p.first_stage_ratio;
-  return select_maps(method_maps(m, layers, n_kept, p), n_kept, ap, layout);
+  assert(protect == 0 || ap.allocation != Allocation::adakv_original);
+  Maps maps = method_maps(m, layers, n_kept, p);
+  for (ModelMap* model : {&maps.alloc, &maps.stage2})
+    for (std::size_t l = 0; l < model->size(); ++l)
+      for (std::size_t h = 0; h < (*model)[l].size(); ++h)
+        for (std::size_t j = 0; j < (*model)[l][h].size(); ++j)
+          if (maps.pos[l][h][j] < protect) (*model)[l][h][j].tier = kProtected;
+  return select_maps(maps, n_kept, ap, layout);
 }
 
 // PyramidKV's per-layer n_kept before the cap by what a layer holds (docs/algorithms.md#allocation, "Pyramid"), written

@@ -392,3 +392,43 @@ TEST_CASE("kvevict-select: the library's layout errors come through with its mes
 }
 
 }  // namespace test_select_cli_layout
+
+namespace test_select_cli_layout {
+
+TEST_CASE("kvevict-select --protect-prefix keeps a shared prompt prefix, counted or on top, as the library does",
+          "[cli][layout][protected]") {
+  // docs/algorithms.md#protected-prefix: the entries at positions < 10 (about 6 of each head: positions have gaps).
+  const std::vector<FileLayer> layers = shared_model(20261206u, 2);
+  const fs::path in = scratch() / "protected.safetensors", out = scratch() / "protected_out.safetensors";
+  write_model(in, layers);
+  const std::vector<BudgetFlag> budgets = {
+      {"--budget 16 --protect-prefix 10", kvevict::Budget::tokens(16).protect_prefix(10)},
+      {"--keep 0.3 --protect-prefix 10 --prefix-budget extra",
+       kvevict::Budget::keep_ratio(0.3).protect_prefix(10, kvevict::Budget::PrefixBudget::extra)}};
+  for (const std::string& policy : policy_names())
+    for (const BudgetFlag& b : budgets) {
+      expect_library(policy, b, {"layer", "max", 4}, in, layers);
+      const st::file f = st::file::open((scratch() / "layout_out.safetensors").string());
+      CHECK(f.metadata().at("protect_prefix") == "10");
+      CHECK(f.metadata().at("prefix_budget") == (b.budget.extra() ? "extra" : "counted"));
+      for (std::size_t l = 0; l < layers.size(); ++l) {  // every head keeps every entry at a position < 10
+        const Written w = read_written(f, l);
+        for (std::size_t h = 0; h + 1 < w.offsets.size(); ++h) {
+          std::size_t held = 0;
+          for (auto k = sz(w.offsets[h]); k < sz(w.offsets[h + 1]); ++k) held += w.positions[k] < 10;
+          std::size_t protected_entries = 0;
+          for (std::int64_t p : layers[l].r.heads[h].pos) protected_entries += p < 10;
+          CHECK(held == protected_entries);
+        }
+      }
+    }
+  const std::string snapkv = "--policy snapkv --share layer --block 4";
+  expect_failure(snapkv + " --budget 8 --protect-prefix 40" + io(in, out), 1,
+                 {"kvevict::SnapKV::select (layer 0): the budget keeps", "its protected prefix"});
+  expect_failure(snapkv + " --budget 8 --protect-prefix -1" + io(in, out), 2,
+                 {"--protect-prefix must be >= 0, got -1"});
+  expect_failure(snapkv + " --budget 8 --prefix-budget all" + io(in, out), 2,
+                 {"--prefix-budget must be counted or extra, got 'all'"});
+}
+
+}  // namespace test_select_cli_layout

@@ -53,6 +53,10 @@ struct HeadAdaptiveAllocation {
  private:
   template <class S>
   std::vector<Index> allocate_original(const extend::ScoreMap<S>& scores, const extend::LayerBudget& budget) const {
+    if (budget.protected_prefix > 0)
+      throw invalid_argument(
+          "kvevict::HeadAdaptiveAllocation (variant original): a protected prefix is not supported (its formula "
+          "divides the scored prefix and adds the window); use the kvpress variant");
     const Index w = budget.window;
     const auto n_kept = static_cast<Index>(budget.n_kept);
     if (n_kept <= w) return std::vector<Index>(static_cast<std::size_t>(scores.heads), n_kept);  // L_h > w

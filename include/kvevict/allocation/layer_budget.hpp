@@ -1,6 +1,7 @@
 #pragma once
 /// What an allocator distributes for one layer.
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 
@@ -28,6 +29,9 @@ struct LayerBudget {
   Index layers = 0;
   /// The layout's block size (LayoutParams::block): budgets are kept in whole blocks of it.
   Index block = 1;
+  /// The protected prefix per head, min(p, L) (Budget::protect_prefix, docs/algorithms.md#protected-prefix): a
+  /// scheduled allocation keeps it in every layer.
+  Index protected_prefix = 0;
 };
 
 /// The place of one layer in its model, as a select() call gives it (unknown parts -1 and 0).
@@ -47,13 +51,14 @@ inline LayerBudget layer_budget(const LayerShape& shape, const Budget& budget, c
   b.layer = place.layer;
   b.layers = place.layers;
   if (shared_across_layers && budget.kind() == Budget::Kind::tokens)
-    b.n_kept = static_cast<std::int64_t>(budget.value());
+    b.n_kept = static_cast<std::int64_t>(budget.value()) + budget.extra();
   else if (shape.ragged())
     b.n_kept = budget.n_kept(shape.entries(), shape.kv_heads, where);
   else
     b.n_kept = budget.n_kept(shape.tokens, where);
   b.total = shape.kv_heads * static_cast<Index>(b.n_kept);
   b.window = shape.window;
+  b.protected_prefix = static_cast<Index>(std::min<std::int64_t>(budget.protected_prefix(), shape.tokens));
   if (budget.kind() == Budget::Kind::compression_ratio) b.compression_ratio = budget.value();
   return b;
 }

@@ -45,7 +45,8 @@ struct PyramidAllocation {
                     "plan(budget, layers)");
     Index longest = 0;
     for (Index h = 0; h < shape.kv_heads; ++h) longest = std::max(longest, shape.length(h));
-    const Index least = std::max(budget.window, budget.block);  // every layer keeps its window and one block
+    // Every layer keeps its protected prefix, then its window and one block.
+    const Index least = budget.protected_prefix + std::max(budget.window, budget.block);
     budget.n_kept = std::min<std::int64_t>(layer_share(budget.n_kept, least, budget.layer, budget.layers), longest);
     budget.total = shape.kv_heads * static_cast<Index>(budget.n_kept);
   }

@@ -1,6 +1,7 @@
 #pragma once
 /// Budgets (docs/algorithms.md#budgets): how many tokens each KV head keeps on average, window included.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -15,9 +16,15 @@ namespace kvevict {
 ///   Budget::compression_ratio(c) n_kept = int(L * (1 - c)), in double, truncated (the reference's rounding:
 ///                                L = 1000, c = 0.8 gives 199, not 200)
 /// Each form is checked when it is made (tokens >= 1, ratios in range); n_kept(L) must then lie in [1, L].
+///
+/// A shared prompt prefix (docs/algorithms.md#protected-prefix): budget.protect_prefix(p) marks the entries at original
+/// positions < p protected, never evicted. Counted (the default), they are part of n_kept; PrefixBudget::extra keeps
+/// them on top: the form is resolved against the entries past the prefix, and each head keeps p more.
 class Budget {
  public:
   enum class Kind { tokens, keep_ratio, compression_ratio };
+  /// Whether a protected prefix is part of the budget or kept on top of it.
+  enum class PrefixBudget { counted, extra };
 
   static Budget tokens(std::int64_t n) {
     detail::require(n >= 1, "Budget::tokens", "tokens must be >= 1, got ", n);
@@ -34,13 +41,30 @@ class Budget {
     return Budget(Kind::compression_ratio, c, 0);
   }
 
+  /// This budget with the entries at original positions < `positions` protected (docs/algorithms.md#protected-prefix).
+  Budget protect_prefix(std::int64_t positions, PrefixBudget counting = PrefixBudget::counted) const {
+    detail::require(positions >= 0, "Budget::protect_prefix", "the protected prefix must be >= 0 positions, got ",
+                    positions);
+    Budget b = *this;
+    b.prefix_ = positions;
+    b.prefix_budget_ = counting;
+    return b;
+  }
+  /// p: entries at original positions < p are never evicted (0: none).
+  std::int64_t protected_prefix() const { return prefix_; }
+  PrefixBudget prefix_budget() const { return prefix_budget_; }
+  /// The entries each head keeps on top of the resolved form: p under PrefixBudget::extra, else 0.
+  std::int64_t extra() const { return prefix_budget_ == PrefixBudget::extra ? prefix_ : 0; }
+
   Kind kind() const { return kind_; }
   /// The ratio (keep or compression) or the token count, as given.
   double value() const { return value_; }
 
-  /// Tokens kept per KV head on average for a context of L tokens; throws unless 1 <= n_kept <= L.
+  /// Tokens kept per KV head on average for a context of L tokens; throws unless 1 <= n_kept <= L. With an extra
+  /// prefix p: the form resolved against L - p, plus p (p at most L).
   std::int64_t n_kept(Index L, const char* where = "Budget") const {
-    const std::int64_t n = resolve(static_cast<double>(L));
+    const std::int64_t p = std::min<std::int64_t>(extra(), L);
+    const std::int64_t n = resolve(static_cast<double>(L - p)) + p;
     detail::require(n >= 1 && n <= L, where, "n_kept must be in [1, ", L, "] (the context length), got ", n,
                     describe());
     return n;
@@ -48,7 +72,9 @@ class Budget {
   /// The same for a ragged layer of `heads` KV heads holding `entries` in all (docs/algorithms.md#ragged):
   /// resolved against the mean entries per head; throws unless 1 <= n_kept and heads * n_kept <= entries.
   std::int64_t n_kept(Index entries, Index heads, const char* where) const {
-    const std::int64_t n = resolve(static_cast<double>(entries) / static_cast<double>(heads));
+    const double mean = static_cast<double>(entries) / static_cast<double>(heads);
+    const std::int64_t p = std::min<std::int64_t>(extra(), entries / heads);
+    const std::int64_t n = resolve(mean - static_cast<double>(p)) + p;
     const Index most = entries / heads;
     detail::require(n >= 1 && n <= most, where, "n_kept must be in [1, ", most, "] (the mean entries per KV head, ",
                     entries, " / ", heads, ", rounded down), got ", n, describe());
@@ -63,14 +89,18 @@ class Budget {
   }
   Budget(Kind kind, double value, std::int64_t tokens) : kind_(kind), value_(value), tokens_(tokens) {}
   std::string describe() const {
-    if (kind_ == Kind::keep_ratio) return detail::concat(" from keep ratio ", value_);
-    if (kind_ == Kind::compression_ratio) return detail::concat(" from compression ratio ", value_);
-    return {};
+    const std::string prefix =
+        extra() > 0 ? detail::concat(" with ", prefix_, " protected prefix positions on top") : std::string();
+    if (kind_ == Kind::keep_ratio) return detail::concat(" from keep ratio ", value_, prefix);
+    if (kind_ == Kind::compression_ratio) return detail::concat(" from compression ratio ", value_, prefix);
+    return prefix;
   }
 
   Kind kind_;
   double value_;
   std::int64_t tokens_;
+  std::int64_t prefix_ = 0;
+  PrefixBudget prefix_budget_ = PrefixBudget::counted;
 };
 
 }  // namespace kvevict

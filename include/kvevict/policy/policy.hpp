@@ -4,6 +4,7 @@
 ///   score (each layer) -> group (the layout's units) -> allocate (per layer, or across layers) -> select -> expand
 
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -13,6 +14,7 @@
 #include "kvevict/core/budget.hpp"
 #include "kvevict/core/inputs.hpp"
 #include "kvevict/core/selection.hpp"
+#include "kvevict/forcing/protected_prefix.hpp"
 #include "kvevict/layout/units.hpp"
 #include "kvevict/policy/contracts.hpp"
 #include "kvevict/selectors/attention_selector.hpp"
@@ -248,6 +250,9 @@ class Policy {
       return selector_.template score<S>(in, shape, common, layer, where.c_str());
     }();
     detail::require_layout(scored.allocation, shape, where.c_str());
+    if (layer.protected_prefix > 0)  // docs/algorithms.md#protected-prefix: above every tier of every map
+      std::apply([&](auto&... maps) { (detail::protect_prefix(maps, budget.protected_prefix()), ...); },
+                 detail::score_maps<SelectorType>(scored));
     if constexpr (allocates_model()) {  // the reference's model total reads the compression ratio
       if (params_.reference_quirks) detail::quirk_compression_ratio(layer, where.c_str());
     }
@@ -321,7 +326,11 @@ class Policy {
       } else {
         for (std::size_t l = 0; l < n; ++l) budgets[l] = allocation_.allocate(selected(l).allocation, layers[l].budget);
       }
-      for (std::size_t l = 0; l < n; ++l) detail::select_kept(selector_, selected(l), budgets[l], keep[l]);
+      for (std::size_t l = 0; l < n; ++l) {
+        if (layers[l].budget.protected_prefix > 0)
+          detail::require_holds_prefix(selected(l).allocation, budgets[l], false, layers[l].where.c_str());
+        detail::select_kept(selector_, selected(l), budgets[l], keep[l]);
+      }
       bool again = false;
       if constexpr (refining) {
         for (std::size_t l = 0; l < n; ++l) again = refine(l, layers[l].layer, trials[l], budgets[l], keep[l]) || again;
@@ -377,6 +386,8 @@ class Policy {
         const extend::LayerBudget unit_budget = extend::unit_budget(tokens, groupings[u], scope_where.c_str());
         units.push_back(detail::unit_layer<SelectorType>(members, groupings[u], layout.reduce));
         budgets[u] = allocation_.allocate(units[u].allocation, unit_budget);
+        if (unit_budget.protected_prefix > 0)
+          detail::require_holds_prefix(units[u].allocation, budgets[u], true, scope_where.c_str());
         detail::select_kept(selector_, units[u], budgets[u], keep);
         expand(u);
       }
@@ -399,6 +410,8 @@ class Policy {
       for (const L& u : units) maps.push_back(&u.allocation);
       budgets = allocation_.allocate_model(maps, (tokens - tails) / layout.block);
       for (std::size_t u = 0; u < scopes.size(); ++u) {
+        if (layers[scopes[u].front()].budget.protected_prefix > 0)
+          detail::require_holds_prefix(units[u].allocation, budgets[u], true, where.c_str());
         detail::select_kept(selector_, units[u], budgets[u], keep);
         expand(u);
       }

@@ -19,14 +19,18 @@ namespace kvevict::extend {
 ///   forced     a selector's forcing (mass forcing, sinks), by its own score, then recency: per head it always fits
 ///              next to the window; in a shared group or blocks, where the members' union may not, the best stay and
 ///              the window is never cut for them (docs/algorithms.md#layouts)
+///   protected_prefix  a shared prompt prefix the engine keeps (Budget::protect_prefix,
+///   docs/algorithms.md#protected-prefix):
+///              never evicted; the pipeline refuses a budget that cannot hold it
 /// `absent` marks the padding of a ragged layer (rows beyond a head's L_h, docs/algorithms.md#ragged): never ranked,
 /// never kept.
 enum class Tier : std::uint8_t {
-  absent = 0,    ///< not an entry (the padding beyond a head's L_h)
-  scored = 1,    ///< ranked by score
-  forced = 2,    ///< forced by a selector (mass forcing, sinks): kept before any scored entry
-  window = 3,    ///< the observation window: kept before any forced entry
-  safeguard = 4  ///< an allocation's per-head guarantee (AdaKV's safeguard): kept first
+  absent = 0,           ///< not an entry (the padding beyond a head's L_h)
+  scored = 1,           ///< ranked by score
+  forced = 2,           ///< forced by a selector (mass forcing, sinks): kept before any scored entry
+  window = 3,           ///< the observation window: kept before any forced entry
+  safeguard = 4,        ///< an allocation's per-head guarantee (AdaKV's safeguard)
+  protected_prefix = 5  ///< an entry of the protected prefix: kept first, always
 };
 
 /// Scores and tiers [kv_heads, tokens] of one layer, row-major, flat index f = h * tokens + j (tokens: the longest

@@ -101,7 +101,7 @@ struct CriticalSelector {
         scored += layer.critical.tier[f] == extend::Tier::scored;
         if (!layer.pending[f]) continue;
         all_pending.push_back(j);
-        if (first[f] || ranking.tier[f] == extend::Tier::safeguard) continue;
+        if (first[f] || ranking.tier[f] >= extend::Tier::safeguard) continue;  // kept whatever their score
         (keep[f] ? rows[static_cast<std::size_t>(h)] : candidates).push_back(j);
       }
       std::vector<Index>& chosen = rows[static_cast<std::size_t>(h)];

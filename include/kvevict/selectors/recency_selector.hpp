@@ -73,7 +73,9 @@ class RecencySelector {
   static bool keep_recent(const extend::ScoreMap<S>& m, Index h, Index b, extend::KeepFlags& keep) {
     const Index L = m.length(h);
     Index forced = 0;
-    while (forced < L && m.tier_of(h, forced) == extend::Tier::forced) ++forced;
+    while (forced < L &&
+           (m.tier_of(h, forced) == extend::Tier::forced || m.tier_of(h, forced) == extend::Tier::protected_prefix))
+      ++forced;
     if (forced > b || b > L) return false;
     for (Index j = forced; j < L; ++j) {
       if (m.tier_of(h, j) != extend::Tier::scored) return false;

@@ -4,6 +4,7 @@
 
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kvevict/core/budget.hpp"
@@ -40,8 +41,19 @@ bool selects_model(const P& policy) {
 /// the window) nothing is evicted. S is the arithmetic type.
 template <class S = float, class P, class Inputs, class Apply>
 Index evict_over_budget(const P& policy, CacheBook& book, Index n, Inputs&& inputs_of, Apply&& apply) {
-  const Budget budget = Budget::tokens(n);
+  return evict_over_budget<S>(policy, book, Budget::tokens(n), std::forward<Inputs>(inputs_of),
+                              std::forward<Apply>(apply));
+}
+
+/// The same under a token budget with a protected prefix (Budget::tokens(n).protect_prefix(p, counting),
+/// docs/algorithms.md#protected-prefix): the prefix is never evicted; a layer is over budget when it holds more than
+/// Hkv * n entries, or Hkv * (n + p) when the prefix is kept on top (PrefixBudget::extra).
+template <class S = float, class P, class Inputs, class Apply>
+Index evict_over_budget(const P& policy, CacheBook& book, const Budget& budget, Inputs&& inputs_of, Apply&& apply) {
   const std::string where = policy.name() + "::evict_over_budget";
+  detail::require(budget.kind() == Budget::Kind::tokens, where.c_str(),
+                  "a cache that grows is evicted to a token budget (Budget::tokens), got a ratio");
+  const auto n = static_cast<Index>(budget.value()) + static_cast<Index>(budget.extra());
   const bool model_wide = detail::selects_model(policy);
   std::vector<Index> due;
   for (Index l = 0; l < book.layers(); ++l)
