@@ -9,6 +9,7 @@
 
 #include "kvevict/allocation/layer_budget.hpp"
 #include "kvevict/ranking/score_map.hpp"
+#include "kvevict/ranking/topk.hpp"
 
 namespace kvevict::extend {
 
@@ -31,15 +32,9 @@ std::vector<std::vector<Index>> allocate_layer_global(const std::vector<const Sc
       if (layers[l]->tier[f] != Tier::absent) cand.push_back({static_cast<std::uint32_t>(l), f});
   KVEVICT_ASSERT(total >= 0 && static_cast<std::size_t>(total) <= cand.size());
   auto ranks_before = [&](const Entry& a, const Entry& b) {
-    const ScoreMap<S>& ma = *layers[a.layer];
-    const ScoreMap<S>& mb = *layers[b.layer];
-    const Tier ta = ma.tier[a.flat], tb = mb.tier[b.flat];
-    if (ta != tb) return ta > tb;
-    if (ma.score[a.flat] != mb.score[b.flat]) return ma.score[a.flat] > mb.score[b.flat];
-    const std::int64_t pa_pos = ma.position_of(a.flat), pb_pos = mb.position_of(b.flat);
-    if (pa_pos != pb_pos) return pa_pos > pb_pos;
-    if (a.layer != b.layer) return a.layer < b.layer;
-    return a.flat < b.flat;
+    const int c = detail::compare_ranks(*layers[a.layer], a.flat, *layers[b.layer], b.flat);
+    if (c != 0) return c < 0;
+    return a.layer != b.layer ? a.layer < b.layer : a.flat < b.flat;  // then the lower layer, the lower KV head
   };
   const auto k = static_cast<std::size_t>(total);
   if (k > 0 && k < cand.size())

@@ -19,18 +19,27 @@ using KeepFlags = std::vector<std::uint8_t>;
 
 namespace kvevict::detail {
 
+/// The order of every top-k up to the position (docs/algorithms.md#ties), between flat entry a of map ma and flat
+/// entry b of map mb: -1 when a ranks before b (higher tier, then higher score, then the more recent position), 1
+/// when after, 0 when they tie so far (the callers then put the lower layer, then the lower KV head first).
+template <class S>
+int compare_ranks(const extend::ScoreMap<S>& ma, std::size_t a, const extend::ScoreMap<S>& mb, std::size_t b) {
+  const extend::Tier ta = ma.tier[a], tb = mb.tier[b];
+  if (ta != tb) return ta > tb ? -1 : 1;
+  const S sa = ma.score[a], sb = mb.score[b];
+  if (sa != sb) return sa > sb ? -1 : 1;
+  const std::int64_t pa = ma.position_of(a), pb = mb.position_of(b);
+  if (pa != pb) return pa > pb ? -1 : 1;
+  return 0;
+}
+
 /// True when flat entry a ranks strictly before flat entry b.
 template <class S>
 struct RanksBefore {
   const extend::ScoreMap<S>* map;
   bool operator()(std::size_t a, std::size_t b) const {
-    const extend::Tier ta = map->tier[a], tb = map->tier[b];
-    if (ta != tb) return ta > tb;
-    const S sa = map->score[a], sb = map->score[b];
-    if (sa != sb) return sa > sb;
-    const std::int64_t pa = map->position_of(a), pb = map->position_of(b);
-    if (pa != pb) return pa > pb;
-    return a < b;  // same position: the lower head
+    const int c = compare_ranks(*map, a, *map, b);
+    return c != 0 ? c < 0 : a < b;  // same position: the lower head
   }
 };
 
