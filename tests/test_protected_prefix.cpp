@@ -59,46 +59,49 @@ TEST_CASE(
     "a page-table engine with a protected 256-token prefix and blocks of 16 keeps the prefix pages intact under "
     "every policy",
     "[protected][catalogue][layout]") {
+  // Two layers of 512 entries (H 4, Hkv 2, d 16: small enough for the sanitized build), half of them the prefix.
   Rng rng(20261206);
-  const Shape s{8, 2, 32, 1024, 64};
+  const Shape s{4, 2, 8, 512, 16};
   std::vector<kvevict_test::VStored<float>> stored;
   std::vector<kvevict::LayerInputs<float>> layers;
-  for (int l = 0; l < 3; ++l)
+  for (int l = 0; l < 2; ++l)
     stored.push_back(
-        kvevict_test::store_v<float>(kvevict_test::random_vlayer(s, 128, rng), kvevict_test::Layout::heads_major));
+        kvevict_test::store_v<float>(kvevict_test::random_vlayer(s, 32, rng), kvevict_test::Layout::heads_major));
   for (const auto& st : stored) layers.push_back(st.in);
   int runs = 0;
-  for (kvevict::Sharing share : {kvevict::Sharing::per_layer, kvevict::Sharing::per_head})
-    for (Index block : {Index(16), Index(1)}) {
-      kvevict::Knobs knobs;
-      knobs.share = share;
-      knobs.block = block;
-      knobs.window = s.w;  // the engine keeps the last 32 queries (TOVA observes its last one by default)
-      for (const Budget& budget :
-           {Budget::tokens(384).protect_prefix(256), Budget::tokens(128).protect_prefix(256, Counting::extra),
-            Budget::keep_ratio(0.25).protect_prefix(200, Counting::extra)}) {
-        for_each_policy(knobs, [&](const std::string& name, const auto& policy) {
-          INFO(name << " share " << kvevict::to_string(share) << " block " << block << " prefix "
-                    << budget.protected_prefix() << (budget.extra() ? " extra" : " counted"));
-          const std::vector<Selection> got = kvevict::select_layers(policy, layers, budget);
-          CHECK(keeps_prefix(got, budget.protected_prefix()));
-          // Blocks of 16 over 1024 rows: the budget is met exactly (keep ratio .25 of 824, plus 200, is 406: 25
-          // whole blocks and a partial one, so a model of whole blocks keeps at most that).
-          const Index per_head = budget.kind() == Budget::Kind::keep_ratio ? 406 : 384;
-          CHECK(kept_entries(got) <= 3 * 2 * per_head);
-          CHECK(kept_entries(got) > 3 * 2 * (per_head - block));
-          ++runs;
-        });
-      }
-      // Counted, a budget that cannot hold the prefix is refused by name.
+  for (kvevict::Sharing share : {kvevict::Sharing::per_layer, kvevict::Sharing::per_head}) {
+    kvevict::Knobs knobs;
+    knobs.share = share;
+    knobs.block = 16;
+    knobs.window = s.w;  // the engine keeps the last 8 queries (TOVA observes its last one by default)
+    for (const Budget& budget :
+         {Budget::tokens(320).protect_prefix(256), Budget::tokens(64).protect_prefix(256, Counting::extra),
+          Budget::keep_ratio(0.25).protect_prefix(200, Counting::extra)}) {
       for_each_policy(knobs, [&](const std::string& name, const auto& policy) {
-        INFO(name);
-        REQUIRE_THROWS_MATCHES(kvevict::select_layers(policy, layers, Budget::tokens(200).protect_prefix(256)),
-                               kvevict::invalid_argument,
-                               MessageContains("its protected prefix: a budget that counts"));
+        INFO(name << " share " << kvevict::to_string(share) << " prefix " << budget.protected_prefix()
+                  << (budget.extra() ? " extra" : " counted"));
+        const std::vector<Selection> got = kvevict::select_layers(policy, layers, budget);
+        CHECK(keeps_prefix(got, budget.protected_prefix()));
+        // Whole blocks of 16 over 512 rows keep at most the budget, and less than one block below it (keep ratio
+        // .25 of the 312 entries past the prefix, plus 200, is 278).
+        const Index per_head = budget.kind() == Budget::Kind::keep_ratio ? 278 : 320;
+        CHECK(kept_entries(got) <= 2 * 2 * per_head);
+        CHECK(kept_entries(got) > 2 * 2 * (per_head - 16));
+        ++runs;
       });
     }
-  CHECK(runs > 100);
+  }
+  // Counted, a budget that cannot hold the prefix is refused by name.
+  kvevict::Knobs pages;
+  pages.share = kvevict::Sharing::per_layer;
+  pages.block = 16;
+  pages.window = s.w;
+  for_each_policy(pages, [&](const std::string& name, const auto& policy) {
+    INFO(name);
+    REQUIRE_THROWS_MATCHES(kvevict::select_layers(policy, layers, Budget::tokens(200).protect_prefix(256)),
+                           kvevict::invalid_argument, MessageContains("its protected prefix: a budget that counts"));
+  });
+  CHECK(runs > 60);
 }
 
 TEST_CASE("a protected prefix: worked numbers, counted or on top", "[protected]") {
