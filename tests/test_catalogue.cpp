@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "support/cases.hpp"
 #include "support/matchers.hpp"
 #include "support/random_inputs.hpp"
 #include "support/same_selection.hpp"
@@ -383,10 +384,10 @@ TEST_CASE(
     "values",
     "[catalogue][half]") {
   Rng rng(1203);
-  mixed_selects_as_float<Eigen::half, float, float>(rng, 12);
-  mixed_selects_as_float<Eigen::half, float, Eigen::bfloat16>(rng, 8);
-  mixed_selects_as_float<Eigen::bfloat16, float, Eigen::half>(rng, 8);
-  mixed_selects_as_float<float, Eigen::half, Eigen::half>(rng, 6);
+  mixed_selects_as_float<Eigen::half, float, float>(rng, kvevict_test::cases(12));
+  mixed_selects_as_float<Eigen::half, float, Eigen::bfloat16>(rng, kvevict_test::cases(8));
+  mixed_selects_as_float<Eigen::bfloat16, float, Eigen::half>(rng, kvevict_test::cases(8));
+  mixed_selects_as_float<float, Eigen::half, Eigen::half>(rng, kvevict_test::cases(6));
 }
 
 TEST_CASE("the precomputed Gram of a bf16 W_o goes with the W_o storage type", "[catalogue][half]") {

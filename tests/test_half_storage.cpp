@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "support/cases.hpp"
 #include "support/random_inputs.hpp"
 #include "support/selector_inputs.hpp"
 
@@ -49,7 +50,7 @@ TEMPLATE_TEST_CASE(
     "[views][half]", Eigen::half, Eigen::bfloat16) {
   using T = TestType;
   Rng rng(31);
-  for (int c = 0; c < 60; ++c) {
+  for (int c = 0; c < kvevict_test::cases(60); ++c) {
     const Shape s = kvevict_test::random_shape(rng, 160);
     const VLayer l = kvevict_test::rounded_to<T>(kvevict_test::random_vlayer(s, 24, rng));
     const std::int64_t n_kept = std::uniform_int_distribution<std::int64_t>(1, s.L)(rng);

@@ -15,6 +15,7 @@
 #include <catch2/catch.hpp>
 #include <kvevict/kvevict.hpp>
 
+#include "support/cases.hpp"
 #include "support/random_inputs.hpp"
 #include "support/reference.hpp"
 
@@ -93,7 +94,7 @@ TEST_CASE("key-only selectors: the papers' scores by brute force, over shapes an
           "[selectors][keys]") {
   Rng rng(2504);
   int compared = 0;
-  for (int c = 0; c < 200; ++c) {
+  for (int c = 0; c < kvevict_test::cases(200); ++c) {
     const Shape s = kvevict_test::random_shape(rng, 90);
     kvevict_test::Layer l = kvevict_test::random_layer(s, rng);
     if (c % 5 == 0)  // a zero key in every head: K-norm ranks it first, KeyDiff scores it 0
@@ -148,7 +149,7 @@ TEST_CASE("key-only selectors: the papers' scores by brute force, over shapes an
       ++compared;
     }
   }
-  CHECK(compared > 400);
+  CHECK(compared > kvevict_test::cases(400));
 }
 
 TEST_CASE("key-only selectors: no observation needed, and one that is given is not read", "[selectors][keys]") {

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "support/cases.hpp"
 #include "support/matchers.hpp"
 #include "support/ragged_inputs.hpp"
 #include "support/random_inputs.hpp"
@@ -131,7 +132,7 @@ TEST_CASE("layout reference: every policy x sharing x block x reduce, random lay
   Rng rng(880);
   const double nan = std::numeric_limits<double>::quiet_NaN();
   int compared = 0, near_ties = 0;
-  for (int trial = 0; trial < 18; ++trial) {
+  for (int trial = 0; trial < kvevict_test::cases(18); ++trial) {
     const int Hkv = 1 + trial % 3, G = 1 + (trial / 3) % 2, w = 1 + trial % 4, d = 4 + 4 * (trial % 2);
     const int NL = 1 + trial % 3, T = 30 + 5 * trial;
     for (kvevict::Sharing share :
@@ -236,7 +237,7 @@ TEST_CASE("layout reference: every policy x sharing x block x reduce, random lay
         }
     }
   }
-  CHECK(compared > 1000);
+  CHECK(compared > kvevict_test::cases(1000));
   CHECK(near_ties * 100 < compared);  // rare: a tie broken by rounding, not a semantic difference
 }
 
@@ -248,7 +249,7 @@ TEST_CASE("layout reference: a protected prefix, counted or on top, under every 
   Rng rng(881);
   const double nan = std::numeric_limits<double>::quiet_NaN();
   int compared = 0, refused = 0, near_ties = 0;
-  for (int trial = 0; trial < 12; ++trial) {
+  for (int trial = 0; trial < kvevict_test::cases(12); ++trial) {
     const int Hkv = 1 + trial % 3, G = 1 + (trial / 3) % 2, w = 1 + trial % 4, d = 4 + 4 * (trial % 2);
     const int NL = 1 + trial % 3, T = 40 + 5 * trial;
     for (kvevict::Sharing share :
@@ -322,7 +323,7 @@ TEST_CASE("layout reference: a protected prefix, counted or on top, under every 
     }
   }
   INFO("compared " << compared << ", refused " << refused);
-  CHECK(compared > 300);
+  CHECK(compared > kvevict_test::cases(300));
   CHECK(refused > 20);
   CHECK(near_ties * 50 < compared + 50);
 }

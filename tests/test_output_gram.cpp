@@ -8,6 +8,7 @@
 #include <limits>
 #include <string>
 
+#include "support/cases.hpp"
 #include "support/random_inputs.hpp"
 #include "support/selector_inputs.hpp"
 
@@ -47,7 +48,7 @@ void same_with_precomputed_gram(const char* name, kvevict_test::VStored<T>& stor
 TEMPLATE_TEST_CASE("w_o_gram: a precomputed Gram selects exactly as the per-select one", "[value][gram]", float,
                    double) {
   Rng rng(41);
-  for (int c = 0; c < 40; ++c) {
+  for (int c = 0; c < kvevict_test::cases(40); ++c) {
     const Shape s = kvevict_test::random_shape(rng, 96);
     auto stored = kvevict_test::store_v<TestType>(kvevict_test::random_vlayer(s, 20, rng), Layout::tokens_major);
     const std::int64_t n_kept = std::uniform_int_distribution<std::int64_t>(1, s.L)(rng);

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "support/cases.hpp"
 #include "support/random_inputs.hpp"
 
 namespace test_policies {  // this file's scope in unity builds (tests/CMakeLists.txt)
@@ -86,7 +87,7 @@ TEST_CASE("SnapKV and AdaKV (both variants) select<double> like the reference, o
   const Knobs knobs[] = {{5, Pooling::avg}, {7, Pooling::max}, {1, Pooling::avg},
                          {5, Pooling::max}, {7, Pooling::avg}, {1, Pooling::max}};
   int i = 0;
-  for (const Shape& s : policy_shapes(rng, 18)) {
+  for (const Shape& s : policy_shapes(rng, kvevict_test::cases(18))) {
     const Knobs k = knobs[i++ % 6];
     const kvevict_test::Layer l = kvevict_test::random_layer(s, rng);
     const auto st = kvevict_test::store<double>(l, i % 2 ? Layout::heads_major : Layout::tokens_major);
@@ -153,7 +154,7 @@ TEST_CASE("policies on quantised attention (many exact ties) match the reference
 TEST_CASE("properties every scored policy keeps (float storage, float arithmetic)", "[policies]") {
   Rng rng(83);
   std::vector<Shape> shapes = {{8, 2, 32, 33, 16}, {4, 4, 1, 2, 16}, {8, 1, 4, 3000, 16}};
-  for (int i = 0; i < 9; ++i) shapes.push_back(kvevict_test::random_shape(rng, 150));
+  for (int i = 0; i < kvevict_test::cases(9); ++i) shapes.push_back(kvevict_test::random_shape(rng, 150));
   for (const Shape& s : shapes) {
     const kvevict_test::Layer l = kvevict_test::random_layer(s, rng);
     const auto hm = kvevict_test::store<float>(l, Layout::heads_major);

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "support/cases.hpp"
 #include "support/random_inputs.hpp"
 #include "support/selector_inputs.hpp"
 
@@ -239,7 +240,7 @@ void check_layer_global(int cases, std::uint64_t seed) {
   }
 }
 
-constexpr int kCases = 2000;
+constexpr int kCases = kvevict_test::cases(2000);
 
 }  // namespace
 

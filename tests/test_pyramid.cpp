@@ -14,6 +14,7 @@
 #include <catch2/catch.hpp>
 #include <kvevict/kvevict.hpp>
 
+#include "support/cases.hpp"
 #include "support/matchers.hpp"
 #include "support/random_inputs.hpp"
 #include "support/reference_layout.hpp"
@@ -115,7 +116,7 @@ TEST_CASE("PyramidKV: shares over a sweep, against the rule written again, summi
 TEST_CASE("PyramidKV: each layer selects as SnapKV with its share as a token budget, and compositions alike",
           "[pyramid][policy]") {
   Rng rng(2407);
-  for (int trial = 0; trial < 60; ++trial) {
+  for (int trial = 0; trial < kvevict_test::cases(60); ++trial) {
     Shape s = kvevict_test::random_shape(rng, 90);
     const auto N = static_cast<Index>(std::uniform_int_distribution<int>(1, 6)(rng));
     std::vector<kvevict_test::VStored<double>> stored;

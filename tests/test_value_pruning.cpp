@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "support/cases.hpp"
 #include "support/selector_inputs.hpp"
 
 namespace test_value_pruning {
@@ -207,7 +208,7 @@ TEMPLATE_TEST_CASE("pruned L1 term: chosen rows give value_norms' bits, and the 
   Rng rng(20261202);
   static const int hidden[] = {16, 17, 40, 256};
   static const int lengths[] = {1, 2, 3, 127, 128, 129, 257, 300};
-  for (int c = 0; c < 120; ++c) {
+  for (int c = 0; c < kvevict_test::cases(120); ++c) {
     Shape s = random_shape(rng, 40);
     s.L = std::max(s.w + 1, lengths[c % 8]);
     const int D = hidden[(c / 8) % 4];
@@ -250,7 +251,7 @@ TEMPLATE_TEST_CASE("pruned L1 term: CriticalKV selects exactly as without prunin
   int failures = 0;
   kvevict::extend::ValueTermCounter counter;
   const kvevict::extend::ValueTermCounter::Scope counting(counter);
-  for (int c = 0; c < 300 && failures < 5; ++c) {
+  for (int c = 0; c < kvevict_test::cases(300) && failures < 5; ++c) {
     Shape s = random_shape(rng, c % 3 == 0 ? 700 : 160);
     const int D = std::uniform_int_distribution<int>(16, 80)(rng);
     const auto kind = static_cast<Values>(c % 7);
@@ -289,7 +290,7 @@ TEMPLATE_TEST_CASE(
   int failures = 0;
   kvevict::extend::ValueTermCounter counter;
   const kvevict::extend::ValueTermCounter::Scope counting(counter);
-  for (int c = 0; c < 60 && failures < 5; ++c) {
+  for (int c = 0; c < kvevict_test::cases(60) && failures < 5; ++c) {
     const Shape first = random_shape(rng, c % 4 == 0 ? 600 : 160);
     const int D = std::uniform_int_distribution<int>(16, 64)(rng);
     const bool quirks = c % 5 == 1;  // the reference's model total: every layer alike

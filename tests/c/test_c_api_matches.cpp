@@ -3,8 +3,9 @@
 // tokens-major, padded and copied layouts, ragged layers, attention rows instead of queries, the options; three seeds
 // each), the selections of kvevict_select_layers equal kvevict::select_layers<S> of the catalogue entry over
 // LayerInputs viewing the same data, with the queries and W_o converted to the arithmetic type S as the C API
-// converts them (through float for f16 / bf16). Errors are the same errors. Then: one policy handle used by 4
-// threads at once, and kvevict_last_error() per thread.
+// converts them (through float for f16 / bf16); an f16 or bf16 cache is compared with float storage of the same
+// values, which selects exactly as half storage does (tests/test_half_storage.cpp). Errors are the same errors. Then:
+// one policy handle used by 4 threads at once, and kvevict_last_error() per thread.
 #include <catch2/catch.hpp>
 
 #include <kvevict/c/kvevict.h>
@@ -46,6 +47,9 @@ struct Buf {
   template <class T>
   const T* typed() const {
     return std::get<std::vector<T>>(data).data();
+  }
+  std::size_t size() const {
+    return std::visit([](const auto& v) { return v.size(); }, data);
   }
   /// Element i in the arithmetic type S, as the C API reads it: f16 and bf16 through float.
   template <class S>
@@ -418,15 +422,24 @@ kvevict::Budget budget_of(const kvevict_budget& b) {
 /// What the reference reads of a layer, in KV (cache) and S (queries, attention, W_o).
 template <class KV, class S>
 struct Hold {
-  std::vector<KV> k, v;  // the transposed layout, copied heads-major
+  std::vector<KV> k, v;            // the transposed layout, copied heads-major
+  std::vector<KV> k_wide, v_wide;  // a half cache widened to KV (float), in its own layout
   std::vector<S> obs, w_o, scores;
   std::vector<std::int64_t> positions;
   kvevict::LayerInputs<KV, S, S> in;
 };
 
+/// The cache as KV storage; a cache held in another dtype (f16, bf16 as float) is widened into `wide` first.
 template <class KV>
-kvevict::KVView<const KV> view_kv(const Layer& l, const Tensor& t, std::vector<KV>& copy) {
-  const KV* p = t.buf.typed<KV>();
+kvevict::KVView<const KV> view_kv(const Layer& l, const Tensor& t, std::vector<KV>& copy, std::vector<KV>& wide) {
+  const KV* p = nullptr;
+  if (std::holds_alternative<std::vector<KV>>(t.buf.data)) {
+    p = t.buf.typed<KV>();
+  } else {
+    wide.resize(t.buf.size());
+    for (std::size_t i = 0; i < wide.size(); ++i) wide[i] = t.buf.at<KV>(static_cast<std::int64_t>(i));
+    p = wide.data();
+  }
   switch (l.layout) {
     case Layout::heads_major:
       return kvevict::kv_heads_major<const KV>(p, l.Hkv, l.L, l.d);
@@ -446,8 +459,8 @@ kvevict::KVView<const KV> view_kv(const Layer& l, const Tensor& t, std::vector<K
 
 template <class KV, class S>
 void hold(const Layer& l, bool reads_observation, bool reads_values, Hold<KV, S>& h) {
-  h.in.keys = view_kv<KV>(l, l.keys, h.k);
-  h.in.values = view_kv<KV>(l, l.values, h.v);
+  h.in.keys = view_kv<KV>(l, l.keys, h.k, h.k_wide);
+  h.in.values = view_kv<KV>(l, l.values, h.v, h.v_wide);
   if (reads_observation) {
     const int cols = l.attention ? l.L : l.d;
     h.obs.resize(sz(l.H * l.w * cols));
@@ -519,9 +532,8 @@ Outcome reference_in(const PolicyName& p, const kvevict::Knobs& knobs, const std
     case KVEVICT_F64:
       return reference_typed<double, S>(p, knobs, layers, budget);
     case KVEVICT_F16:
-      return reference_typed<Eigen::half, S>(p, knobs, layers, budget);
-    case KVEVICT_BF16:
-      return reference_typed<Eigen::bfloat16, S>(p, knobs, layers, budget);
+    case KVEVICT_BF16:  // float storage of the same values: the same selection (tests/test_half_storage.cpp)
+      return reference_typed<float, S>(p, knobs, layers, budget);
     case KVEVICT_I8:
     case KVEVICT_F8_E4M3:
     case KVEVICT_F8_E5M2:
