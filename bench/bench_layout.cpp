@@ -9,6 +9,9 @@
 //   per_model/16  one set for every head of every layer, in blocks (llama.cpp's cells, paged)
 //   per_layer/16/prefix  pages as per_layer/16, with a shared prompt prefix of L / 16 positions protected and kept on
 //                 top of the budget (docs/algorithms.md#protected-prefix; x_tokens: against per_head/1 without it)
+//   per_head/1/threshold  a threshold budget (docs/algorithms.md#threshold-budgets): tau 0, at most n_kept per head
+//                 (every nonnegative score passes and the cap binds: the same count as per_head/1, so x_tokens is the
+//                 cost of counting the passing entries in place of the allocation)
 // Value-aware policies run in the engine's form, "<name>-l2-gram" (value_norm = l2, the Gram matrices precomputed
 // once per layer, LayerInputs::w_o_gram). Counters, measured in the same process:
 //   x_floor    time / (kLayers * the window-attention GEMM of one layer): the floor of bench_policies.cpp
@@ -109,12 +112,15 @@ const Stack& stack(const Model& m, Index L) {
 
 template <class Policy>
 void BM_Layout(benchmark::State& state, const Model& m, Index L, const Policy& policy, const Policy& tokens,
-               bool baseline, bool prefix) {
+               bool baseline, bool prefix, bool threshold) {
   const Stack& s = stack(m, L);
   const std::vector<kvevict::LayerInputs<float>> layers =
       observed_by(policy, policy.reads_values() ? s.with_gram : s.plain);
   const auto plain = kvevict::Budget::keep_ratio(kKeep);
-  const auto budget = prefix ? plain.protect_prefix(L / 16, kvevict::Budget::PrefixBudget::extra) : plain;
+  const auto budget =
+      prefix      ? plain.protect_prefix(L / 16, kvevict::Budget::PrefixBudget::extra)
+      : threshold ? kvevict::Budget::threshold(0.0).count_bounds(0, plain.n_kept(L), kvevict::Budget::Scope::head)
+                  : plain;
   const auto n_kept = static_cast<Index>(budget.n_kept(L));
   double total = 0, total_tokens = 0, extra_bytes = 0;
   Index kept = 0;
@@ -145,11 +151,16 @@ void BM_Layout(benchmark::State& state, const Model& m, Index L, const Policy& p
 struct Layout {
   kvevict::Sharing share;
   Index block;
-  bool prefix = false;  // a protected prefix of L / 16 positions, kept on top of the budget
+  bool prefix = false;     // a protected prefix of L / 16 positions, kept on top of the budget
+  bool threshold = false;  // a threshold budget of tau 0, at most n_kept per head
 };
-constexpr Layout kLayouts[] = {{kvevict::Sharing::per_head, 1},   {kvevict::Sharing::per_layer, 1},
-                               {kvevict::Sharing::per_head, 16},  {kvevict::Sharing::per_layer, 16},
-                               {kvevict::Sharing::per_model, 16}, {kvevict::Sharing::per_layer, 16, true}};
+constexpr Layout kLayouts[] = {{kvevict::Sharing::per_head, 1},
+                               {kvevict::Sharing::per_layer, 1},
+                               {kvevict::Sharing::per_head, 16},
+                               {kvevict::Sharing::per_layer, 16},
+                               {kvevict::Sharing::per_model, 16},
+                               {kvevict::Sharing::per_layer, 16, true},
+                               {kvevict::Sharing::per_head, 1, false, true}};
 
 void register_layout() {
   const Model m = kLlama8B;
@@ -164,13 +175,18 @@ void register_layout() {
         kvevict::Knobs k = knobs;
         k.share = layout.share;
         k.block = layout.block;
-        const bool baseline = layout.share == kvevict::Sharing::per_head && layout.block == 1;
+        const bool baseline = layout.share == kvevict::Sharing::per_head && layout.block == 1 && !layout.threshold;
+        if (layout.threshold && entry.name == std::string_view("pyramidkv")) continue;  // a scheduled count: refused
         const std::string name = "BM_layout/" + row + "/" + kvevict::to_string(layout.share) + "/" +
-                                 std::to_string(layout.block) + (layout.prefix ? "/prefix/" : "/") + m.name + "/" +
-                                 std::to_string(L);
+                                 std::to_string(layout.block) +
+                                 (layout.prefix      ? "/prefix/"
+                                  : layout.threshold ? "/threshold/"
+                                                     : "/") +
+                                 m.name + "/" + std::to_string(L);
         benchmark::RegisterBenchmark(name.c_str(),
-                                     [m, L, policy = entry.make(k), tokens, baseline, prefix = layout.prefix](
-                                         benchmark::State& s) { BM_Layout(s, m, L, policy, tokens, baseline, prefix); })
+                                     [m, L, policy = entry.make(k), tokens, baseline, layout](benchmark::State& s) {
+                                       BM_Layout(s, m, L, policy, tokens, baseline, layout.prefix, layout.threshold);
+                                     })
             ->Unit(benchmark::kMillisecond)
             ->UseManualTime();
       }

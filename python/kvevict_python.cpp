@@ -295,7 +295,7 @@ std::vector<PySelection> run(const py::object& policy_name, const std::vector<py
   if (!fp8_format.is_none() && fp8 != "e4m3" && fp8 != "e5m2")
     throw py::value_error("fp8 must be 'e4m3' or 'e5m2' (the format of uint8 keys and values), got " +
                           std::string(py::repr(fp8_format)));
-  // Budget: exactly one of budget / keep / compression_ratio.
+  // Budget: exactly one of budget / keep / compression_ratio / threshold.
   kvevict_budget budget{};
   int budgets = 0;
   std::vector<std::string> names, values;
@@ -315,11 +315,13 @@ std::vector<PySelection> run(const py::object& policy_name, const std::vector<py
       }
       budget = kvevict_tokens(tokens);
       ++budgets;
-    } else if (name == "keep" || name == "compression_ratio") {
+    } else if (name == "keep" || name == "compression_ratio" || name == "threshold") {
       if (!is_integer(item.second) && !is_real(item.second))
         throw py::value_error(name + " must be a number, got " + std::string(py::repr(item.second)));
       const double v = py::float_(py::reinterpret_borrow<py::object>(item.second));
-      budget = name == "keep" ? kvevict_keep_ratio(v) : kvevict_compression_ratio(v);
+      budget = name == "keep"                ? kvevict_keep_ratio(v)
+               : name == "compression_ratio" ? kvevict_compression_ratio(v)
+                                             : kvevict_threshold(v);
       ++budgets;
     } else {
       names.push_back(name);
@@ -327,8 +329,8 @@ std::vector<PySelection> run(const py::object& policy_name, const std::vector<py
     }
   }
   if (budgets != 1)
-    throw py::value_error(budgets == 0 ? "a budget is required: budget=N, keep=R or compression_ratio=CR"
-                                       : "give exactly one of budget, keep and compression_ratio");
+    throw py::value_error(budgets == 0 ? "a budget is required: budget=N, keep=R, compression_ratio=CR or threshold=T"
+                                       : "give exactly one of budget, keep, compression_ratio and threshold");
   if (layers.empty()) throw py::value_error("expected at least one layer");
 
   std::vector<const char*> name_ptrs, value_ptrs;
@@ -446,7 +448,7 @@ PYBIND11_MODULE(kvevict, m) {
       "fp8 codes with fp8='e4m3' or 'e5m2', and optional float32 keys_scale/values_scale: a number, [L] or "
       "[Hkv, L] ([L, Hkv] with layout='tokens'); scores [Hkv, L] ([L, Hkv] with layout='tokens'), the engine's "
       "per-entry scores for engine-scores, layer-engine-scores and the engine selector; exactly one of budget=N, "
-      "keep=R, compression_ratio=CR; "
+      "keep=R, compression_ratio=CR, threshold=T (count_lower, count_upper, count_scope bound its count); "
       "other options as kvevict-select's. Returns a Selection.");
 
   m.def(

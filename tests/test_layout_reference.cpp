@@ -116,6 +116,21 @@ P make(typename P::Params p, int w, const kvevict::LayoutParams& layout) {
   return P(p);
 }
 
+/// check(name, method, policy) for the presets the protected-prefix and threshold cases compare, window w, `layout`.
+template <class Check>
+void for_each_modelled(int w, const kvevict::LayoutParams& layout, Check&& check) {
+  check("snapkv", lref::Method::snapkv, make<kvevict::SnapKV>({}, w, layout));
+  check("adakv", lref::Method::adakv, make<kvevict::AdaKV>({}, w, layout));
+  check("criticalkv", lref::Method::criticalkv, make<kvevict::CriticalKV>({}, w, layout));
+  check("critical_snapkv", lref::Method::critical_snapkv, make<kvevict::CriticalSnapKV>({}, w, layout));
+  check("defensivekv", lref::Method::defensivekv, make<kvevict::DefensiveKV>({}, w, layout));
+  check("layer_defensivekv", lref::Method::layer_defensivekv, make<kvevict::LayerDefensiveKV>({}, w, layout));
+  check("knorm", lref::Method::knorm, make<kvevict::KNorm>({}, w, layout));
+  kvevict::StreamingLLM::Params sp;
+  static_cast<kvevict::LayoutParams&>(sp) = layout;
+  check("streamingllm", lref::Method::streamingllm, kvevict::StreamingLLM(sp));
+}
+
 lref::Layout ref_layout(const kvevict::LayoutParams& l) {
   lref::Layout out;
   out.share = l.share == kvevict::Sharing::per_head    ? lref::Share::per_head
@@ -309,22 +324,105 @@ TEST_CASE("layout reference: a protected prefix, counted or on top, under every 
               }
               ++compared;
             };
-            check("snapkv", lref::Method::snapkv, make<kvevict::SnapKV>({}, w, layout));
-            check("adakv", lref::Method::adakv, make<kvevict::AdaKV>({}, w, layout));
-            check("criticalkv", lref::Method::criticalkv, make<kvevict::CriticalKV>({}, w, layout));
-            check("critical_snapkv", lref::Method::critical_snapkv, make<kvevict::CriticalSnapKV>({}, w, layout));
-            check("defensivekv", lref::Method::defensivekv, make<kvevict::DefensiveKV>({}, w, layout));
-            check("layer_defensivekv", lref::Method::layer_defensivekv, make<kvevict::LayerDefensiveKV>({}, w, layout));
-            check("knorm", lref::Method::knorm, make<kvevict::KNorm>({}, w, layout));
-            kvevict::StreamingLLM::Params sp;
-            static_cast<kvevict::LayoutParams&>(sp) = layout;
-            check("streamingllm", lref::Method::streamingllm, kvevict::StreamingLLM(sp));
+            for_each_modelled(w, layout, check);
           }
     }
   }
   INFO("compared " << compared << ", refused " << refused);
   CHECK(compared > kvevict_test::cases(300));
   CHECK(refused > 20);
+  CHECK(near_ties * 50 < compared + 50);
+}
+
+TEST_CASE("layout reference: threshold budgets, every scope and bounds, under every layout",
+          "[layout][reference][threshold]") {
+  // docs/algorithms.md#threshold-budgets: the blocks (rows) that pass tau, counted per group, per layer or per model,
+  // clamped to the bounds in whole blocks; tau sits midway between two distinct scores of the allocation map's blocks
+  // near their median, so that no block ties it within rounding.
+  Rng rng(882);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  int compared = 0, near_ties = 0;
+  for (int trial = 0; trial < kvevict_test::cases(12); ++trial) {
+    const int Hkv = 1 + trial % 3, G = 1 + (trial / 3) % 2, w = 1 + trial % 4, d = 4 + 4 * (trial % 2);
+    const int NL = 1 + trial % 3, T = 40 + 5 * trial;
+    for (kvevict::Sharing share :
+         {kvevict::Sharing::per_head, kvevict::Sharing::per_layer, kvevict::Sharing::per_model}) {
+      const std::vector<Ragged> model = random_model(rng, NL, Hkv * G, Hkv, w, d, T, 0.6 + 0.02 * trial, share);
+      std::vector<kvevict_test::RaggedStored<double>> stored;
+      std::vector<kvevict::LayerInputs<double>> inputs;
+      std::vector<std::int64_t> n_kept;  // what the selectors read: the mean entries per head, rounded down
+      for (const Ragged& r : model) {
+        stored.push_back(kvevict_test::store<double>(r, kvevict_test::longest(r) + 2, trial % 2 == 0, nan, 0));
+        Index entries = 0;
+        for (int h = 0; h < Hkv; ++h) entries += kvevict_test::length(r, h);
+        n_kept.push_back(entries / Hkv);
+      }
+      for (const auto& st : stored) inputs.push_back(st.in);
+      for (Index block : {Index(1), Index(4)})
+        for (const lref::ThresholdScope scope :
+             {lref::ThresholdScope::head, lref::ThresholdScope::layer, lref::ThresholdScope::model}) {
+          kvevict::LayoutParams layout;
+          layout.share = share;
+          layout.block = block;
+          layout.reduce = trial % 2 ? kvevict::Reduce::mean : kvevict::Reduce::max;
+          const auto check = [&](const char* name, lref::Method m, const auto& policy) {
+            const lref::MethodParams p = lref::preset(m);
+            // tau: midway in the widest gap among the middle third of the allocation map's scored block scores.
+            const lref::Maps maps = lref::method_maps(m, model, n_kept, p);
+            std::vector<double> scores;
+            for (const lref::Group& g : lref::make_groups(ref_layout(layout).share, maps.pos))
+              for (const lref::Block& b :
+                   lref::cut_blocks(g, lref::reduce_group(g, maps.alloc, ref_layout(layout).reduce), block,
+                                    ref_layout(layout).reduce)
+                       .blocks)
+                if (b.tier == lref::kScored) scores.push_back(b.score);
+            if (scores.size() < 3) return;
+            std::sort(scores.begin(), scores.end());
+            double tau = scores.front() - 1.0, gap = -1.0;
+            for (std::size_t i = scores.size() / 3; i + 1 < std::max<std::size_t>(2 * scores.size() / 3, 2); ++i)
+              if (scores[i + 1] - scores[i] > gap)
+                gap = scores[i + 1] - scores[i], tau = 0.5 * (scores[i] + scores[i + 1]);
+            if (!(gap > 1e-9 * std::max(std::abs(tau), 1e-300))) return;
+            const std::int64_t unit = scope == lref::ThresholdScope::head    ? 1
+                                      : scope == lref::ThresholdScope::layer ? Hkv
+                                                                             : NL * Hkv;
+            const std::int64_t lo = (trial * 5 + static_cast<int>(scope)) % (unit * 6 + 1);
+            const std::int64_t hi = trial % 3 == 0 ? -1 : lo + (trial * 11) % (unit * 10 + 1);
+            lref::Threshold t;
+            t.on = true;
+            t.tau = tau;
+            t.lo = lo;
+            t.hi = hi < 0 ? std::numeric_limits<std::int64_t>::max() : hi;
+            t.scope = scope;
+            const Budget budget =
+                Budget::threshold(tau).count_bounds(lo, hi,
+                                                    scope == lref::ThresholdScope::head    ? Budget::Scope::head
+                                                    : scope == lref::ThresholdScope::layer ? Budget::Scope::layer
+                                                                                           : Budget::Scope::model);
+            std::vector<std::int64_t> seen = n_kept;  // a per-head upper bound lowers what the selectors read
+            if (scope == lref::ThresholdScope::head && hi >= 0)
+              for (std::int64_t& x : seen) x = std::max<std::int64_t>(1, std::min<std::int64_t>(x, hi));
+            for (std::int64_t x : seen)
+              if (x < block) return;  // the reference's blocks need n_kept >= B
+            const std::vector<ref::KeptRows> want = lref::select(m, model, seen, p, ref_layout(layout), 0, t);
+            INFO(name << " share " << kvevict::to_string(share) << " block " << block << " scope "
+                      << static_cast<int>(scope) << " tau " << tau << " lo " << lo << " hi " << hi << " trial "
+                      << trial);
+            INFO("want " << show(want));
+            const std::vector<Selection> got = kvevict::select_layers<double>(policy, inputs, budget);
+            INFO("got  " << show(rows_of(got)));
+            if (rows_of(got) != want) {
+              ++near_ties;
+              CHECK(near_tie_swap(rows_of(got), want, m, model, seen, p, ref_layout(layout)));
+            }
+            ++compared;
+          };
+          for_each_modelled(w, layout, check);
+        }
+    }
+  }
+  INFO("compared " << compared << ", near ties " << near_ties);
+  CHECK(compared > kvevict_test::cases(300));
   CHECK(near_ties * 50 < compared + 50);
 }
 

@@ -339,7 +339,7 @@ def test_option_messages_agree_with_cli(kvevict_select, tmp_path):
     """A bad value gets the same message from kvevict-select, the C API and Python (the name spelled by each)."""
     compared = 0
     for name in kvevict.options():
-        if name in ("policy", "base", "selector", "budget", "keep", "compression_ratio"):
+        if name in ("policy", "base", "selector", "budget", "keep", "compression_ratio", "threshold"):
             continue
         for value in BAD_VALUES:
             try:
@@ -618,6 +618,35 @@ def test_protected_prefix():
         kvevict.select_layers("snapkv", layers, budget=4, protect_prefix=8, share="layer", block=4)
     with pytest.raises(ValueError, match="protect_prefix must be >= 0, got -2"):
         kvevict.select_layers("snapkv", layers, budget=4, protect_prefix=-2)
+
+
+
+def test_threshold_budget():
+    """docs/algorithms.md#threshold-budgets: threshold=T keeps every entry whose score reaches T (engine scores:
+    exactly those), count_lower / count_upper / count_scope bound the count; PyramidKV and bounds on a count budget
+    are refused by name."""
+    rng = np.random.default_rng(35)
+    keys = rng.standard_normal((2, 30, 4)).astype(np.float32)
+    scores = rng.random((2, 30)).astype(np.float32)
+    sel = kvevict.select("engine-scores", keys=keys, values=keys, scores=scores, threshold=0.6)
+    for h in range(2):
+        kept = sel.indices[sel.offsets[h]:sel.offsets[h + 1]]
+        np.testing.assert_array_equal(kept, np.nonzero(scores[h].astype(np.float64) >= 0.6)[0])
+    pinned = kvevict.select("engine-scores", keys=keys, values=keys, scores=scores, threshold=0.6, count_lower=20,
+                            count_upper=20, count_scope="layer")
+    assert pinned.total == 20
+    layers = make_layers(**CONFIGS["g1-1layer-d4-f32"])
+    for p in POLICIES:
+        if p == "pyramidkv":
+            with pytest.raises(ValueError, match="a threshold budget decides its counts from the scores"):
+                kvevict.select_layers(p, layers, threshold=0.02)
+            continue
+        (sel,) = kvevict.select_layers(p, layers, threshold=0.02, count_upper=6)
+        assert all(sel.offsets[h + 1] - sel.offsets[h] <= 6 for h in range(2)), p
+    with pytest.raises(ValueError, match="count_upper bounds a threshold budget, got a count budget"):
+        kvevict.select_layers("snapkv", layers, budget=4, count_upper=3)
+    with pytest.raises(ValueError, match="give exactly one of budget, keep, compression_ratio and threshold"):
+        kvevict.select_layers("snapkv", layers, budget=4, threshold=0.1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -976,9 +1005,9 @@ ERROR_CASES = [
     ("share-ragged", "snapkv", dict(share="layer", lengths=[24, 20]), {"keep": 0.5}, r"per_layer sharing"),
     ("budget-as-option", "snapkv", {"compression-ratio": 0.5}, {"keep": 0.5}, r"option 'compression-ratio'"),
     # budgets
-    ("no-budget", "snapkv", {}, {}, r"a budget is required: budget=N, keep=R or compression_ratio=CR"),
+    ("no-budget", "snapkv", {}, {}, r"a budget is required: budget=N, keep=R, compression_ratio=CR or threshold=T"),
     ("two-budgets", "snapkv", {}, {"keep": 0.5, "budget": 4},
-     r"give exactly one of budget, keep and compression_ratio"),
+     r"give exactly one of budget, keep, compression_ratio and threshold"),
     ("three-budgets", "snapkv", {}, {"keep": 0.5, "budget": 4, "compression_ratio": 0.5}, r"give exactly one of"),
     ("keep-0", "snapkv", {}, {"keep": 0.0}, r"keep ratio must be in \(0, 1\], got 0"),
     ("keep-above-1", "snapkv", {}, {"keep": 1.5}, r"keep ratio must be in \(0, 1\], got 1.5"),

@@ -90,10 +90,13 @@ kvevict::Budget to_budget(const kvevict_budget& b) {
     case KVEVICT_BUDGET_COMPRESSION_RATIO:
       require(b.value >= 0.0 && b.value < 1.0, "budget: compression ratio must be in [0, 1), got " + number(b.value));
       return kvevict::Budget::compression_ratio(b.value);
+    case KVEVICT_BUDGET_THRESHOLD:
+      require(std::isfinite(b.value), "budget: threshold must be finite, got " + number(b.value));
+      return kvevict::Budget::threshold(b.value);
   }
   throw kvevict::invalid_argument("budget: unknown kind " + std::to_string(static_cast<int>(b.kind)) +
-                                  "; expected KVEVICT_BUDGET_TOKENS, KVEVICT_BUDGET_KEEP_RATIO or "
-                                  "KVEVICT_BUDGET_COMPRESSION_RATIO");
+                                  "; expected KVEVICT_BUDGET_TOKENS, KVEVICT_BUDGET_KEEP_RATIO, "
+                                  "KVEVICT_BUDGET_COMPRESSION_RATIO or KVEVICT_BUDGET_THRESHOLD");
 }
 
 const kvevict::Selection* layer_of(const kvevict_selection* s, size_t layer) {
@@ -164,10 +167,11 @@ kvevict_status kvevict_policy_create(const char* name, const char* const* option
       require(option_names[i] && option_values[i],
               "kvevict_policy_create: option " + std::to_string(i) + " has a NULL name or value");
       const std::string n = option_names[i];
-      if (n == "budget" || n == "keep" || n == "compression_ratio" || n == "compression-ratio")
+      if (n == "budget" || n == "keep" || n == "compression_ratio" || n == "compression-ratio" || n == "threshold")
         throw kvevict::invalid_argument("option '" + n +
                                         "': the budget is given to kvevict_select_layers (kvevict_tokens, "
-                                        "kvevict_keep_ratio or kvevict_compression_ratio), not to the policy");
+                                        "kvevict_keep_ratio, kvevict_compression_ratio or kvevict_threshold), not to "
+                                        "the policy");
       set.set(n, option_values[i]);
     }
     auto policy = std::make_unique<kvevict_policy>();
@@ -193,6 +197,7 @@ int kvevict_policy_reads(const kvevict_policy* policy) {
 kvevict_budget kvevict_tokens(int64_t n_kept) { return {KVEVICT_BUDGET_TOKENS, static_cast<double>(n_kept)}; }
 kvevict_budget kvevict_keep_ratio(double keep) { return {KVEVICT_BUDGET_KEEP_RATIO, keep}; }
 kvevict_budget kvevict_compression_ratio(double ratio) { return {KVEVICT_BUDGET_COMPRESSION_RATIO, ratio}; }
+kvevict_budget kvevict_threshold(double tau) { return {KVEVICT_BUDGET_THRESHOLD, tau}; }
 
 kvevict_layer kvevict_layer_init(void) {
   kvevict_layer layer;

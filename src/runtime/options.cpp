@@ -61,6 +61,19 @@ std::vector<Parameter> make_table() {
            "fraction removed: n_kept = int(L * (1 - CR)); on ragged layers L is the heads' mean length", "0", false,
            "1", true,
            [](D d, V v) { budget(d, kvevict::Budget::compression_ratio(v.real), "compression_ratio=" + v.text); }),
+      real("threshold", "T", "",
+           "keep every entry whose score reaches T, the window always (its count: --count-lower/-upper/-scope)", "",
+           false, "", false, [](D d, V v) { budget(d, kvevict::Budget::threshold(v.real), "threshold=" + v.text); }),
+      integer("count-lower", "N", "0", "with --threshold: keep at least N entries in each --count-scope", "0",
+              [](D d, V v) { d.options.count_lower = v.integer; }),
+      integer("count-upper", "N", "none", "with --threshold: keep at most N entries in each --count-scope", "0",
+              [](D d, V v) { d.options.count_upper = v.integer; }),
+      choice("count-scope", {"head", "layer", "model"}, "head", "with --threshold: where the count bounds apply",
+             [](D d, V v) {
+               d.options.count_scope = v.text == "head"    ? kvevict::Budget::Scope::head
+                                       : v.text == "layer" ? kvevict::Budget::Scope::layer
+                                                           : kvevict::Budget::Scope::model;
+             }),
       integer("window", "W", "the rows of q_window / window_attention", "observation window", "1",
               [](D d, V v) { d.options.knobs.window = v.integer; }),
       choice("pool", {"avg", "max"}, "avg", "pooling along tokens",
@@ -226,7 +239,15 @@ const Parameter* find_parameter(std::string_view name) {
   return nullptr;
 }
 
-kvevict::Budget Options::protected_budget(const kvevict::Budget& b) const {
+kvevict::Budget Options::full_budget(const kvevict::Budget& given) const {
+  kvevict::Budget b = given;
+  if (const char* bound = count_bound_given()) {
+    if (!b.is_threshold())  // the message of OptionSet::finish, as the C API and Python spell the option
+      throw invalid_argument(find_parameter(bound)->spelled(Spelling::api) +
+                             " bounds a threshold budget, got a count budget");
+    b = b.count_bounds(count_lower.value_or(0), count_upper.value_or(-1),
+                       count_scope.value_or(kvevict::Budget::Scope::head));
+  }
   return b.protect_prefix(protect_prefix,
                           prefix_extra ? kvevict::Budget::PrefixBudget::extra : kvevict::Budget::PrefixBudget::counted);
 }
@@ -243,6 +264,14 @@ std::map<std::string, std::string> Options::metadata() const {
                                                                                            : "model"},
                                             {"reduce", layout.reduce == Reduce::max ? "max" : "mean"},
                                             {"block", std::to_string(block())}};
+  if (count_lower || count_upper || count_scope) {
+    out["count_lower"] = std::to_string(count_lower.value_or(0));
+    out["count_upper"] = count_upper ? std::to_string(*count_upper) : "none";
+    const auto scope = count_scope.value_or(kvevict::Budget::Scope::head);
+    out["count_scope"] = scope == kvevict::Budget::Scope::head    ? "head"
+                         : scope == kvevict::Budget::Scope::layer ? "layer"
+                                                                  : "model";
+  }
   if (protect_prefix > 0) {
     out["protect_prefix"] = std::to_string(protect_prefix);
     out["prefix_budget"] = prefix_extra ? "extra" : "counted";
@@ -355,10 +384,13 @@ Options OptionSet::finish(bool needs_budget) const {
   Options o = draft_.options;
   const auto spell = [&](std::string_view n) { return find_parameter(n)->spelled(spelling_); };
   if (needs_budget && draft_.budgets != 1)
-    throw usage_error(draft_.budgets == 0 ? "a budget is required: " + spell("budget") + " N, " + spell("keep") +
-                                                " R or " + spell("compression-ratio") + " CR"
-                                          : "give exactly one of " + spell("budget") + ", " + spell("keep") + " and " +
-                                                spell("compression-ratio"));
+    throw usage_error(draft_.budgets == 0
+                          ? "a budget is required: " + spell("budget") + " N, " + spell("keep") + " R, " +
+                                spell("compression-ratio") + " CR or " + spell("threshold") + " T"
+                          : "give exactly one of " + spell("budget") + ", " + spell("keep") + ", " +
+                                spell("compression-ratio") + " and " + spell("threshold"));
+  if (const char* bound = o.count_bound_given(); bound && o.budget && !o.budget->is_threshold())
+    throw usage_error(spell(bound) + " bounds a threshold budget, got a count budget");
   const std::string p = spell("policy"), bs = spell("base") + "/" + spell("selector");
   if (draft_.policy && (draft_.base || draft_.selector))
     throw usage_error("give either " + p + " or " + bs + ", not both");

@@ -43,9 +43,17 @@ struct Options {
   Index protect_prefix =
       0;  // entries at original positions < P are never evicted (docs/algorithms.md#protected-prefix)
   bool prefix_extra = false;  // the protected prefix is kept on top of the budget (else counted in it)
+  /// A threshold budget's count bounds (docs/algorithms.md#threshold-budgets): none given, none applied.
+  std::optional<Index> count_lower, count_upper;
+  std::optional<kvevict::Budget::Scope> count_scope;
 
-  /// `b` with the protected prefix of these options (the budget given apart, as the C API and Python give it).
-  kvevict::Budget protected_budget(const kvevict::Budget& b) const;
+  /// `b` (the budget given, apart as the C API and Python give it, or by its option) with the protected prefix and
+  /// the count bounds of these options; count bounds on a count budget are refused by name.
+  kvevict::Budget full_budget(const kvevict::Budget& b) const;
+  /// The first count bound given ("count-lower", "count-upper", "count-scope"), or nullptr.
+  const char* count_bound_given() const {
+    return count_lower ? "count-lower" : count_upper ? "count-upper" : count_scope ? "count-scope" : nullptr;
+  }
 
   /// B of --block (1 unless given): > 1 selects whole blocks, and the output lists their ids (kept_blocks).
   Index block() const { return layout.block; }

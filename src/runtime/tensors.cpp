@@ -7,7 +7,7 @@ namespace kvevict::runtime {
 
 std::vector<Selection> select_tensors(const Options& options, const Budget& given, const kvevict_layer* layers,
                                       std::size_t n_layers, TensorNames names) {
-  const Budget budget = options.protected_budget(given);  // docs/algorithms.md#protected-prefix
+  const Budget budget = options.full_budget(given);  // #protected-prefix, #threshold-budgets of docs/algorithms.md
   if (!layers || n_layers == 0)
     throw invalid_argument("expected at least one layer, got " + std::to_string(n_layers) +
                            (layers ? "" : " (layers is NULL)"));

@@ -599,6 +599,9 @@ static void test_ragged(void) {
 static void select_error(const char* what, const kvevict_policy* p, kvevict_budget b, const kvevict_layer* layers,
                          size_t n, const char* word, int line);
 
+static void option_error(const char* what, const char* policy, const char* key, const char* value, const char* word,
+                         int line);
+
 static void test_options(void) {
   static Data a, b;
   kvevict_layer layers[2];
@@ -648,6 +651,36 @@ static void test_options(void) {
                      __LINE__);
       kvevict_policy_free(p);
     }
+  }
+  { /* threshold: bounds that pin each head's count select as the token budget (docs/algorithms.md#threshold-budgets);
+       without bounds a higher threshold keeps fewer; bounds on a count budget are refused */
+    const char* k[] = {"count_lower", "count_upper", "count_scope"};
+    const char* v[] = {"12", "12", "head"};
+    const char* upper_k[] = {"count_upper"};
+    const char* upper_v[] = {"5"};
+    kvevict_policy *pinned = create("snapkv", k, v, 3, __LINE__), *plain = create("snapkv", NULL, NULL, 0, __LINE__),
+                   *capped = create("snapkv", upper_k, upper_v, 1, __LINE__);
+    kvevict_selection *s = NULL, *t = NULL, *low = NULL, *high = NULL;
+    snprintf(context, sizeof context, "threshold budget");
+    if (pinned && plain && capped) {
+      s = select_ok(pinned, kvevict_threshold(0.01), layers, 2, __LINE__);
+      t = select_ok(plain, kvevict_tokens(BUDGET), layers, 2, __LINE__);
+      if (s && t) CHECK(same_layer(s, 0, t, 0) && same_layer(s, 1, t, 1));
+      low = select_ok(plain, kvevict_threshold(0.001), layers, 1, __LINE__);
+      high = select_ok(plain, kvevict_threshold(0.05), layers, 1, __LINE__);
+      if (low && high) CHECK(kvevict_selection_total(high, 0) <= kvevict_selection_total(low, 0));
+      select_error("count bounds on a token budget", capped, kvevict_tokens(BUDGET), layers, 1,
+                   "count_upper bounds a threshold budget, got a count budget", __LINE__);
+      select_error("threshold NaN", plain, kvevict_threshold(nan("")), layers, 1, "threshold must be finite", __LINE__);
+    }
+    option_error("threshold as a policy option", "snapkv", "threshold", "0.1", "kvevict_threshold", __LINE__);
+    kvevict_selection_free(s);
+    kvevict_selection_free(t);
+    kvevict_selection_free(low);
+    kvevict_selection_free(high);
+    kvevict_policy_free(pinned);
+    kvevict_policy_free(plain);
+    kvevict_policy_free(capped);
   }
   { /* share=layer: every head of a layer keeps one set; share=model: every head of every layer */
     const char* k[] = {"share"};

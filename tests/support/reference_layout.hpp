@@ -78,6 +78,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "support/reference.hpp"
@@ -621,7 +622,21 @@ struct Maps {
   ModelMap stage2;             // CriticalKV's stage-2 map (same shape), or empty
 };
 
+// docs/algorithms.md#threshold-budgets, written from the text: a block passes when its tier is above kScored or its
+// score >= tau; the count of each scope (a group, a layer's groups (per_model: the one group), every group) is the
+// blocks that pass, clamped to [ceil(lo / B), floor(hi / B)] and to the blocks it holds; the scope keeps its best that
+// many (the order of every top-k). The allocation does not run; CriticalKV's two stages take those counts.
+enum class ThresholdScope { head, layer, model };
+struct Threshold {
+  bool on = false;
+  double tau = 0.0;
+  std::int64_t lo = 0;
+  std::int64_t hi = std::numeric_limits<std::int64_t>::max();
+  ThresholdScope scope = ThresholdScope::head;
+};
+
 struct AllocParams {
+  Threshold threshold;
   Allocation allocation = Allocation::uniform;
   double alpha = 0.0;     // head-adaptive safeguard, original AdaKV's alpha
   bool critical = false;  // CriticalKV's two stages (uniform or head_adaptive only)
@@ -661,6 +676,46 @@ inline std::vector<KeptRows> select_maps(const Maps& maps, const std::vector<std
   }
 
   KeptBlocks kept(groups.size());
+  if (ap.threshold.on) {
+    const Threshold& t = ap.threshold;
+    const std::int64_t lo = (t.lo + B - 1) / B, hi = t.hi == std::numeric_limits<std::int64_t>::max() ? t.hi : t.hi / B;
+    const auto passing = [&](const std::vector<std::size_t>& scope, std::int64_t& held) {
+      std::int64_t c = 0;
+      for (std::size_t v : scope) {
+        held += alloc[v].U;
+        for (const Block& b : alloc[v].blocks) c += b.tier > kScored || b.score >= t.tau ? 1 : 0;
+      }
+      return c;
+    };
+    // The scopes of the counts: each group, each layer's groups (per_model: the one group), every group.
+    std::vector<std::vector<std::size_t>> scopes;
+    if (t.scope == ThresholdScope::head) {
+      for (std::size_t v = 0; v < groups.size(); ++v) scopes.push_back({v});
+    } else if (t.scope == ThresholdScope::model || layout.share == Share::per_model) {
+      scopes.emplace_back();
+      for (std::size_t v = 0; v < groups.size(); ++v) scopes.back().push_back(v);
+    } else {
+      for (std::size_t l = 0; l < NL; ++l) {
+        scopes.emplace_back();
+        for (std::size_t v = 0; v < groups.size(); ++v)
+          if (groups[v].layer == detail::i64(l)) scopes.back().push_back(v);
+      }
+    }
+    for (const auto& scope : scopes) {
+      std::int64_t held = 0;
+      const std::int64_t c = passing(scope, held);
+      std::vector<Blocks> a;
+      for (std::size_t v : scope) a.push_back(alloc[v]);
+      const KeptBlocks k = flat_top_k(a, std::min(held, std::max(lo, std::min(hi, c))));
+      for (std::size_t i = 0; i < scope.size(); ++i) kept[scope[i]] = k[i];
+    }
+    if (ap.critical) {
+      std::vector<std::int64_t> b;
+      for (const auto& x : kept) b.push_back(detail::i64(x.size()));
+      kept = critical(alloc, stage2, b, ap.first_stage_ratio);
+    }
+    return expand(groups, alloc, kept, heads);
+  }
   if (ap.allocation == Allocation::layer_global) {
     // One scope: T = sum over layers of V_l n_kept_l (V_l = Hkv_l for per_head, 1 for per_layer); per_model n_kept.
     std::int64_t tokens = 0;
@@ -836,15 +891,18 @@ inline Maps method_maps(Method m, const std::vector<ragged::Layer>& layers, cons
 // With `protect` = p > 0 (docs/algorithms.md#protected-prefix), every cell at an original position < p of every map
 // is in the protected tier; n_kept then counts it (an extra prefix: the caller adds p to n_kept). The caller checks
 // that the budget holds the prefix (the library refuses one that does not).
+// With `threshold.on` (docs/algorithms.md#threshold-budgets) the counts come from the threshold; n_kept is then what
+// the selectors read while scoring (the library's: the mean entries per head, or a per-head upper bound).
 inline std::vector<KeptRows> select(Method m, const std::vector<ragged::Layer>& layers,
                                     const std::vector<std::int64_t>& n_kept, const MethodParams& p,
-                                    const Layout& layout, std::int64_t protect = 0) {
+                                    const Layout& layout, std::int64_t protect = 0, const Threshold& threshold = {}) {
   assert(!layers.empty() && layers.size() == n_kept.size());
   AllocParams ap;
   ap.allocation = allocation_of(m);
   ap.alpha = p.alpha;
   ap.critical = m == Method::criticalkv || m == Method::critical_snapkv;
   ap.first_stage_ratio = p.first_stage_ratio;
+  ap.threshold = threshold;
   assert(protect == 0 || ap.allocation != Allocation::adakv_original);
   Maps maps = method_maps(m, layers, n_kept, p);
   for (ModelMap* model : {&maps.alloc, &maps.stage2})

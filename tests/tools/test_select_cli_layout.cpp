@@ -431,4 +431,44 @@ TEST_CASE("kvevict-select --protect-prefix keeps a shared prompt prefix, counted
                  {"--prefix-budget must be counted or extra, got 'all'"});
 }
 
+TEST_CASE("kvevict-select --threshold with --count-lower/-upper/-scope selects as the library does",
+          "[cli][layout][threshold]") {
+  // docs/algorithms.md#threshold-budgets: every policy but PyramidKV (a scheduled count per layer, refused).
+  const std::vector<FileLayer> layers = shared_model(20261207u, 2);
+  const fs::path in = scratch() / "threshold.safetensors", out = scratch() / "threshold_out.safetensors";
+  write_model(in, layers);
+  using Scope = kvevict::Budget::Scope;
+  const std::vector<BudgetFlag> budgets = {{"--threshold 0.02", kvevict::Budget::threshold(0.02)},
+                                           {"--threshold 0.05 --count-lower 6 --count-upper 20 --count-scope layer",
+                                            kvevict::Budget::threshold(0.05).count_bounds(6, 20, Scope::layer)},
+                                           {"--threshold 0.01 --count-upper 40 --count-scope model",
+                                            kvevict::Budget::threshold(0.01).count_bounds(0, 40, Scope::model)}};
+  for (const std::string& policy : policy_names())
+    for (std::size_t i = 0; i < budgets.size(); ++i) {
+      const Layout layout = i == 1 ? Layout{"layer", "max", 4} : Layout{"head", "max", 1};
+      if (policy == "pyramidkv") {
+        expect_failure("--policy pyramidkv " + budgets[i].text + layout.flags() + io(in, out), 1,
+                       {"a threshold budget decides its counts from the scores"});
+        continue;
+      }
+      expect_library(policy, budgets[i], layout, in, layers);
+      const st::file f = st::file::open((scratch() / "layout_out.safetensors").string());
+      CHECK(f.metadata().at("budget") ==
+            std::vector<std::string>{"threshold=0.02", "threshold=0.05", "threshold=0.01"}[i]);
+      if (i == 1) {
+        CHECK(f.metadata().at("count_lower") == "6");
+        CHECK(f.metadata().at("count_upper") == "20");
+        CHECK(f.metadata().at("count_scope") == "layer");
+      }
+    }
+  const std::string snapkv = "--policy snapkv";
+  expect_failure(snapkv + " --budget 8 --count-upper 4" + io(in, out), 2,
+                 {"--count-upper bounds a threshold budget, got a count budget"});
+  expect_failure(snapkv + " --budget 8 --threshold 0.1" + io(in, out), 2, {"give exactly one of"});
+  expect_failure(snapkv + " --threshold 0.1 --count-lower 5 --count-upper 2" + io(in, out), 1,
+                 {"the upper bound must be >= the lower bound (5)"});
+  expect_failure(snapkv + " --threshold 0.1 --count-scope all" + io(in, out), 2,
+                 {"--count-scope must be head, layer or model, got 'all'"});
+}
+
 }  // namespace test_select_cli_layout

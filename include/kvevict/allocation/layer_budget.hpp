@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <optional>
 
 #include "kvevict/core/budget.hpp"
 #include "kvevict/core/inputs.hpp"
@@ -32,6 +33,9 @@ struct LayerBudget {
   /// The protected prefix per head, min(p, L) (Budget::protect_prefix, docs/algorithms.md#protected-prefix): a
   /// scheduled allocation keeps it in every layer.
   Index protected_prefix = 0;
+  /// A threshold budget (Budget::threshold, docs/algorithms.md#threshold-budgets): the scores decide the counts, and
+  /// the allocation does not run; n_kept above is what the selectors read.
+  std::optional<Budget> threshold;
 };
 
 /// The place of one layer in its model, as a select() call gives it (unknown parts -1 and 0).
@@ -60,6 +64,7 @@ inline LayerBudget layer_budget(const LayerShape& shape, const Budget& budget, c
   b.window = shape.window;
   b.protected_prefix = static_cast<Index>(std::min<std::int64_t>(budget.protected_prefix(), shape.tokens));
   if (budget.kind() == Budget::Kind::compression_ratio) b.compression_ratio = budget.value();
+  if (budget.is_threshold()) b.threshold = budget;
   return b;
 }
 

@@ -96,9 +96,11 @@ typedef struct kvevict_layer {
 } kvevict_layer;
 
 typedef enum kvevict_budget_kind {
-  KVEVICT_BUDGET_TOKENS = 0,           /* value = n_kept, tokens per KV head on average, window included */
-  KVEVICT_BUDGET_KEEP_RATIO = 1,       /* value in (0, 1]: n_kept = floor(L value) */
-  KVEVICT_BUDGET_COMPRESSION_RATIO = 2 /* value in [0, 1): n_kept = floor(L (1 - value)) */
+  KVEVICT_BUDGET_TOKENS = 0,            /* value = n_kept, tokens per KV head on average, window included */
+  KVEVICT_BUDGET_KEEP_RATIO = 1,        /* value in (0, 1]: n_kept = floor(L value) */
+  KVEVICT_BUDGET_COMPRESSION_RATIO = 2, /* value in [0, 1): n_kept = floor(L (1 - value)) */
+  KVEVICT_BUDGET_THRESHOLD = 3 /* value finite: every entry whose score reaches it (options count_lower, count_upper,
+                                  count_scope bound the count; docs/algorithms.md#threshold-budgets) */
 } kvevict_budget_kind;
 
 typedef struct kvevict_budget {
@@ -149,6 +151,7 @@ KVEVICT_C_API int kvevict_policy_reads(const kvevict_policy* policy);
 KVEVICT_C_API kvevict_budget kvevict_tokens(int64_t n_kept);
 KVEVICT_C_API kvevict_budget kvevict_keep_ratio(double keep);
 KVEVICT_C_API kvevict_budget kvevict_compression_ratio(double ratio);
+KVEVICT_C_API kvevict_budget kvevict_threshold(double tau);
 
 /* A layer with every tensor absent and dense positions. */
 KVEVICT_C_API kvevict_layer kvevict_layer_init(void);

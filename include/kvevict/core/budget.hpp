@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "kvevict/core/error.hpp"
 #include "kvevict/core/views.hpp"
@@ -20,11 +21,17 @@ namespace kvevict {
 /// A shared prompt prefix (docs/algorithms.md#protected-prefix): budget.protect_prefix(p) marks the entries at original
 /// positions < p protected, never evicted. Counted (the default), they are part of n_kept; PrefixBudget::extra keeps
 /// them on top: the form is resolved against the entries past the prefix, and each head keeps p more.
+///
+/// A fourth form keeps a count that the scores decide (docs/algorithms.md#threshold-budgets, DMS and KVzap):
+///   Budget::threshold(tau)       every entry whose score reaches tau (window, forced and protected entries always),
+///     .count_bounds(lo, hi, scope)  with at least lo and at most hi entries per KV head, per layer or per model.
 class Budget {
  public:
-  enum class Kind { tokens, keep_ratio, compression_ratio };
+  enum class Kind { tokens, keep_ratio, compression_ratio, threshold };
   /// Whether a protected prefix is part of the budget or kept on top of it.
   enum class PrefixBudget { counted, extra };
+  /// Where a threshold budget's count bounds apply: each KV head, each layer (its KV heads together), the model.
+  enum class Scope { head, layer, model };
 
   static Budget tokens(std::int64_t n) {
     detail::require(n >= 1, "Budget::tokens", "tokens must be >= 1, got ", n);
@@ -40,6 +47,33 @@ class Budget {
                     "compression ratio must be in [0, 1), got ", c);
     return Budget(Kind::compression_ratio, c, 0);
   }
+
+  /// Keeps every entry whose score reaches tau: score >= tau, or a tier above the scored one (the window, forced
+  /// entries, the safeguard, a protected prefix). Without bounds a KV head may keep only its window, or nothing.
+  static Budget threshold(double tau) {
+    detail::require(std::isfinite(tau), "Budget::threshold", "the threshold must be finite, got ", tau);
+    return Budget(Kind::threshold, tau, 0);
+  }
+  /// A threshold budget whose count is clamped to [lo, hi] entries in each `scope` (hi < 0: no upper bound). Where
+  /// fewer entries pass, the next best are kept; where more, the best hi (the ranking order of
+  /// docs/algorithms.md#ties).
+  Budget count_bounds(std::int64_t lo, std::int64_t hi, Scope scope) const {
+    const char* where = "Budget::count_bounds";
+    detail::require(kind_ == Kind::threshold, where, "count bounds apply to a threshold budget (Budget::threshold)");
+    detail::require(lo >= 0, where, "the lower bound must be >= 0, got ", lo);
+    detail::require(hi < 0 || hi >= lo, where, "the upper bound must be >= the lower bound (", lo,
+                    ") or < 0 for none, got ", hi);
+    Budget b = *this;
+    b.lo_ = lo;
+    b.hi_ = hi < 0 ? std::numeric_limits<std::int64_t>::max() : hi;
+    b.scope_ = scope;
+    return b;
+  }
+  bool is_threshold() const { return kind_ == Kind::threshold; }
+  /// A threshold budget's bounds: at least lower(), at most upper() entries in each bounds_scope().
+  std::int64_t lower() const { return lo_; }
+  std::int64_t upper() const { return hi_; }
+  Scope bounds_scope() const { return scope_; }
 
   /// This budget with the entries at original positions < `positions` protected (docs/algorithms.md#protected-prefix).
   Budget protect_prefix(std::int64_t positions, PrefixBudget counting = PrefixBudget::counted) const {
@@ -61,7 +95,8 @@ class Budget {
   double value() const { return value_; }
 
   /// Tokens kept per KV head on average for a context of L tokens; throws unless 1 <= n_kept <= L. With an extra
-  /// prefix p: the form resolved against L - p, plus p (p at most L).
+  /// prefix p: the form resolved against L - p, plus p (p at most L). A threshold budget, whose count the scores
+  /// decide, gives what the selectors that read n_kept see: L, or the upper bound of a per-head scope when lower.
   std::int64_t n_kept(Index L, const char* where = "Budget") const {
     const std::int64_t p = std::min<std::int64_t>(extra(), L);
     const std::int64_t n = resolve(static_cast<double>(L - p)) + p;
@@ -83,6 +118,10 @@ class Budget {
 
  private:
   std::int64_t resolve(double mean_length) const {
+    if (kind_ == Kind::threshold) {
+      const auto all = static_cast<std::int64_t>(mean_length);
+      return scope_ == Scope::head ? std::max<std::int64_t>(1, std::min(all, hi_)) : all;
+    }
     if (kind_ == Kind::keep_ratio) return static_cast<std::int64_t>(mean_length * value_);
     if (kind_ == Kind::compression_ratio) return static_cast<std::int64_t>(mean_length * (1.0 - value_));
     return tokens_;
@@ -93,6 +132,7 @@ class Budget {
         extra() > 0 ? detail::concat(" with ", prefix_, " protected prefix positions on top") : std::string();
     if (kind_ == Kind::keep_ratio) return detail::concat(" from keep ratio ", value_, prefix);
     if (kind_ == Kind::compression_ratio) return detail::concat(" from compression ratio ", value_, prefix);
+    if (kind_ == Kind::threshold) return detail::concat(" from threshold ", value_, prefix);
     return prefix;
   }
 
@@ -101,6 +141,8 @@ class Budget {
   std::int64_t tokens_;
   std::int64_t prefix_ = 0;
   PrefixBudget prefix_budget_ = PrefixBudget::counted;
+  std::int64_t lo_ = 0, hi_ = std::numeric_limits<std::int64_t>::max();
+  Scope scope_ = Scope::head;
 };
 
 }  // namespace kvevict

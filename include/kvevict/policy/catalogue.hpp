@@ -148,14 +148,17 @@ constexpr BudgetScope budget_scope() {
 }
 
 /// One Selection per layer with any policy: per-layer policies select each layer, layer-global ones plan over all
-/// of them (one budget across layers). Errors name the layer.
+/// of them (one budget across layers), as does share = per_model or a threshold budget bounded per model. Errors
+/// name the layer.
 template <class S = float, class P, class KV, class Q, class W>
 std::vector<Selection> select_layers(const P& policy, const std::vector<LayerInputs<KV, Q, W>>& layers,
                                      const Budget& budget) {
   if constexpr (detail::is_layer_global<P>::value) {
     return policy.template select<S>(layers, budget);
   } else {
-    if (policy.params().share == Sharing::per_model) return policy.template select<S>(layers, budget);
+    if (policy.params().share == Sharing::per_model ||
+        (budget.is_threshold() && budget.bounds_scope() == Budget::Scope::model))
+      return policy.template select<S>(layers, budget);
     std::vector<Selection> out;
     out.reserve(layers.size());
     for (std::size_t l = 0; l < layers.size(); ++l)

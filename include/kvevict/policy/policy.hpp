@@ -3,6 +3,7 @@
 /// plan over a model's layers, or a whole model at once. One run loop (run() below) serves every entry point:
 ///   score (each layer) -> group (the layout's units) -> allocate (per layer, or across layers) -> select -> expand
 
+#include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -10,6 +11,7 @@
 
 #include "kvevict/allocation/layer_budget.hpp"
 #include "kvevict/allocation/layer_global.hpp"
+#include "kvevict/allocation/threshold.hpp"
 #include "kvevict/allocation/uniform.hpp"
 #include "kvevict/core/budget.hpp"
 #include "kvevict/core/inputs.hpp"
@@ -189,8 +191,9 @@ class Policy {
     const auto count = static_cast<Index>(layers.size());
     std::vector<Scored<S>> scored;
     for (Index l = 0; l < count; ++l)
-      add_scored(scored, score_layer<S>(layers[static_cast<std::size_t>(l)], budget,
-                                        name_ + "::add (layer " + std::to_string(l) + ")", {l, count}, refines()));
+      add_scored(scored,
+                 score_layer<S>(layers[static_cast<std::size_t>(l)], budget,
+                                name_ + "::add (layer " + std::to_string(l) + ")", {l, count}, refines(budget)));
     const std::string where = name_ + "::apply";
     detail::require(!scored.empty(), where.c_str(), "no layer was added");
     for (std::size_t l = 0; l < scored.size(); ++l) scored[l].where = where + " (layer " + std::to_string(l) + ")";
@@ -205,10 +208,11 @@ class Policy {
   /// run()'s refinement step when the layers hold exact scores.
   static constexpr std::nullptr_t no_refinement = nullptr;
 
-  /// Whether the selector ranks by upper bounds it refines (CriticalSelector's pruned L1 term) under this layout.
-  bool refines() const {
+  /// Whether the selector ranks by upper bounds it refines (CriticalSelector's pruned L1 term) under this layout
+  /// and budget (a threshold compares exact scores).
+  bool refines(const Budget& budget) const {
     if constexpr (detail::refines_bounds<SelectorType>::value)
-      return params_.per_head_tokens();
+      return params_.per_head_tokens() && !budget.is_threshold();
     else
       return false;
   }
@@ -219,8 +223,12 @@ class Policy {
     if constexpr (!allocates_model())
       detail::require(params_.share != Sharing::per_model, where.c_str(),
                       "share = per_model selects every layer at once: use select(layers, budget) or plan()");
+    detail::require(!budget.is_threshold() || budget.bounds_scope() != Budget::Scope::model || place.layers <= 1,
+                    where.c_str(),
+                    "a threshold budget bounded per model selects every layer at once: use select(layers, budget), "
+                    "plan() or select_layers");
     std::vector<Scored<S>> scored;
-    add_scored(scored, score_layer<S>(in, budget, where, place, refines()));
+    add_scored(scored, score_layer<S>(in, budget, where, place, refines(budget)));
     if constexpr (detail::refines_bounds<SelectorType>::value)
       return run(scored, where,
                  [&](std::size_t, auto&... args) { return selector_.refine(args..., in, scored.front().shape); })
@@ -239,6 +247,9 @@ class Policy {
     layer.block = params_.block;
     selector_.adjust_budget(layer, shape, params_, where.c_str());
     if constexpr (scheduled()) {  // the layer's share (per_model: one set of n_kept)
+      detail::require(!budget.is_threshold(), where.c_str(),
+                      "a threshold budget decides its counts from the scores; this allocation schedules a count per "
+                      "layer: give a count budget (tokens, keep ratio, compression ratio)");
       if (params_.share != Sharing::per_model) allocation_.schedule(layer, shape, where.c_str());
     }
     const auto& common = static_cast<const ScoringParams&>(params_);
@@ -306,6 +317,7 @@ class Policy {
       }
     }
     constexpr bool refining = !std::is_same_v<std::decay_t<Refine>, std::nullptr_t>;
+    const std::optional<Budget>& threshold = layers.front().budget.threshold;
     std::vector<extend::KeepFlags> keep(n);
     std::vector<std::vector<Index>> budgets(n);
     for (;;) {
@@ -319,7 +331,11 @@ class Policy {
         else
           return layers[l].layer;
       };
-      if constexpr (allocates_model()) {
+      if (threshold) {  // the scores decide the counts (docs/algorithms.md#threshold-budgets)
+        std::vector<extend::ScoreMap<S>*> maps;
+        for (std::size_t l = 0; l < n; ++l) maps.push_back(&selected(l).allocation);
+        budgets = detail::threshold_budgets(maps, detail::CountBounds::of(*threshold));
+      } else if constexpr (allocates_model()) {
         std::vector<const extend::ScoreMap<S>*> maps;
         for (std::size_t l = 0; l < n; ++l) maps.push_back(&selected(l).allocation);
         budgets = allocation_.allocate_model(maps, total);
@@ -361,14 +377,18 @@ class Policy {
     std::vector<std::vector<Index>> budgets(scopes.size());
     std::vector<Selection> out(layers.size());
     extend::KeepFlags keep;
-    // The unit flags of scope u back to one Selection per layer of it.
-    const auto expand = [&](std::size_t u) {
+    // Scope u, allocated: its prefix checked, its units selected, and the unit flags back to one Selection per layer.
+    const auto select_scope = [&](std::size_t u, const std::string& scope_where) {
+      if (layers[scopes[u].front()].budget.protected_prefix > 0)
+        detail::require_holds_prefix(units[u].allocation, budgets[u], true, scope_where.c_str());
+      detail::select_kept(selector_, units[u], budgets[u], keep);
       for (std::size_t i = 0; i < scopes[u].size(); ++i) {
         const Scored<S>& s = layers[scopes[u][i]];
         out[scopes[u][i]] = Selection::from_flags(
             extend::expand(keep, units[u].allocation.tokens, groupings[u], i, s.shape), s.shape, layout.block);
       }
     };
+    const std::optional<Budget>& threshold = layers.front().budget.threshold;
     for (std::size_t u = 0; u < scopes.size(); ++u) {
       const std::string& scope_where = layout.share == Sharing::per_model ? where : layers[scopes[u].front()].where;
       std::vector<const extend::ScoreMap<S>*> maps;
@@ -378,7 +398,7 @@ class Policy {
         members.push_back(&layers[l].layer);
       }
       groupings.push_back(extend::group_maps(maps, layout.share, layout.block, scope_where.c_str()));
-      if constexpr (allocates_model()) {
+      if (allocates_model() || threshold) {  // allocated below, once every scope has its units
         units.push_back(detail::unit_layer<SelectorType>(members, groupings[u], layout.reduce));
       } else {
         extend::LayerBudget tokens = layers[scopes[u].front()].budget;
@@ -386,11 +406,15 @@ class Policy {
         const extend::LayerBudget unit_budget = extend::unit_budget(tokens, groupings[u], scope_where.c_str());
         units.push_back(detail::unit_layer<SelectorType>(members, groupings[u], layout.reduce));
         budgets[u] = allocation_.allocate(units[u].allocation, unit_budget);
-        if (unit_budget.protected_prefix > 0)
-          detail::require_holds_prefix(units[u].allocation, budgets[u], true, scope_where.c_str());
-        detail::select_kept(selector_, units[u], budgets[u], keep);
-        expand(u);
+        select_scope(u, scope_where);
       }
+    }
+    if (threshold) {  // the scores decide the counts, in whole blocks (docs/algorithms.md#threshold-budgets)
+      std::vector<extend::ScoreMap<S>*> maps;
+      for (L& unit : units) maps.push_back(&unit.allocation);
+      budgets = detail::threshold_budgets(maps, detail::CountBounds::of(*threshold, layout.block));
+      for (std::size_t u = 0; u < scopes.size(); ++u) select_scope(u, where);
+      return out;
     }
     if constexpr (allocates_model()) {
       // Tokens the model keeps: n_kept per group (per_model: one group, layer 0's n_kept).
@@ -409,12 +433,7 @@ class Policy {
       std::vector<const extend::ScoreMap<S>*> maps;
       for (const L& u : units) maps.push_back(&u.allocation);
       budgets = allocation_.allocate_model(maps, (tokens - tails) / layout.block);
-      for (std::size_t u = 0; u < scopes.size(); ++u) {
-        if (layers[scopes[u].front()].budget.protected_prefix > 0)
-          detail::require_holds_prefix(units[u].allocation, budgets[u], true, where.c_str());
-        detail::select_kept(selector_, units[u], budgets[u], keep);
-        expand(u);
-      }
+      for (std::size_t u = 0; u < scopes.size(); ++u) select_scope(u, where);
     }
     return out;
   }

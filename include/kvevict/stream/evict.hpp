@@ -52,7 +52,7 @@ template <class S = float, class P, class Inputs, class Apply>
 Index evict_over_budget(const P& policy, CacheBook& book, const Budget& budget, Inputs&& inputs_of, Apply&& apply) {
   const std::string where = policy.name() + "::evict_over_budget";
   detail::require(budget.kind() == Budget::Kind::tokens, where.c_str(),
-                  "a cache that grows is evicted to a token budget (Budget::tokens), got a ratio");
+                  "a cache that grows is evicted to a token budget (Budget::tokens), got a ratio or a threshold");
   const auto n = static_cast<Index>(budget.value()) + static_cast<Index>(budget.extra());
   const bool model_wide = detail::selects_model(policy);
   std::vector<Index> due;
