@@ -263,8 +263,14 @@ std::string option_text(const std::string& name, const py::handle& value) {
   if (is_integer(value)) return py::repr(py::int_(py::reinterpret_borrow<py::object>(value)));
   if (is_real(value)) return py::repr(py::float_(py::reinterpret_borrow<py::object>(value)));
   if (py::isinstance<py::str>(value)) return value.cast<std::string>();
-  throw py::value_error(name + ": expected a number, a string or a boolean, got " +
-                        std::string(py::str(value.get_type().attr("__name__"))));
+  const bool layer_list = name == "keep_whole" || name == "keep-whole";  // the one list option: "1,3"
+  if (layer_list && (py::isinstance<py::list>(value) || py::isinstance<py::tuple>(value))) {
+    std::string text;
+    for (const py::handle item : value) text += (text.empty() ? "" : ",") + option_text(name, item);
+    return text;
+  }
+  throw py::value_error(name + ": expected a number, a string or a boolean" + (layer_list ? ", or a list" : "") +
+                        ", got " + std::string(py::str(value.get_type().attr("__name__"))));
 }
 
 /// The kept entries of one layer (numpy int64 arrays, copied out of the C selection).

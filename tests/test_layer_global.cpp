@@ -505,10 +505,11 @@ TEST_CASE("LayerGlobalPolicy has Policy's entry points: plan(budget, layers), se
   short_plan.add(a.in);
   REQUIRE_THROWS_MATCHES(
       short_plan.apply(), kvevict::invalid_argument,
-      MessageContains("kvevict::LayerDefensiveKV::apply: the plan was made for 2 layers, 1 were added"));
+      MessageContains("kvevict::LayerDefensiveKV::apply: the plan was made for 2 evicted layers, 1 were added"));
   short_plan.add(b.in);
-  REQUIRE_THROWS_MATCHES(short_plan.add(a.in), kvevict::invalid_argument,
-                         MessageContains("kvevict::LayerDefensiveKV::add (layer 2): the plan was made for 2 layers"));
+  REQUIRE_THROWS_MATCHES(
+      short_plan.add(a.in), kvevict::invalid_argument,
+      MessageContains("kvevict::LayerDefensiveKV::add (layer 2): the plan was made for 2 evicted layers"));
   REQUIRE_THROWS_MATCHES(layer_global.plan<float>(budget, -1), kvevict::invalid_argument,
                          MessageContains("kvevict::LayerDefensiveKV::plan: layers must be >= 0, got -1"));
   // Errors of a one-layer select name the call.

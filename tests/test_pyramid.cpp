@@ -181,11 +181,12 @@ TEST_CASE("PyramidKV: a layer needs its place in the model, and bad parameters a
                          MessageContains("kvevict::PyramidKV::add (layer 0): PyramidAllocation needs"));
   auto short_plan = policy.plan(b, 2);
   short_plan.add(st.in);
-  REQUIRE_THROWS_MATCHES(short_plan.apply(), kvevict::invalid_argument,
-                         MessageContains("kvevict::PyramidKV::apply: the plan was made for 2 layers, 1 were added"));
+  REQUIRE_THROWS_MATCHES(
+      short_plan.apply(), kvevict::invalid_argument,
+      MessageContains("kvevict::PyramidKV::apply: the plan was made for 2 evicted layers, 1 were added"));
   short_plan.add(st.in);
   REQUIRE_THROWS_MATCHES(short_plan.add(st.in), kvevict::invalid_argument,
-                         MessageContains("add (layer 2): the plan was made for 2 layers"));
+                         MessageContains("add (layer 2): the plan was made for 2 evicted layers"));
   CHECK(short_plan.apply().size() == 2);
   REQUIRE_THROWS_MATCHES(policy.plan(b, -1), kvevict::invalid_argument, MessageContains("layers must be >= 0"));
 

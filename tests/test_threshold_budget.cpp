@@ -251,12 +251,7 @@ TEST_CASE("threshold budget: every catalogue policy under every layout, monotone
   for (int l = 0; l < 2; ++l)
     stored.push_back(kvevict_test::store_v<float>(kvevict_test::random_vlayer(s, 32, rng), Layout::heads_major));
   for (const auto& st : stored) layers.push_back(st.in);
-  struct Case {
-    kvevict::Sharing share;
-    Index block;
-  };
-  for (const Case layout : {Case{kvevict::Sharing::per_head, 1}, Case{kvevict::Sharing::per_layer, 1},
-                            Case{kvevict::Sharing::per_head, 16}, Case{kvevict::Sharing::per_model, 16}}) {
+  for (const kvevict_test::EngineLayout layout : kvevict_test::engine_layouts()) {
     kvevict::Knobs k;
     k.window = s.w;
     k.share = layout.share;

@@ -347,6 +347,8 @@ def test_option_messages_agree_with_cli(kvevict_select, tmp_path):
                 continue  # a valid value here
             except ValueError as e:
                 api = str(e)
+            if api.startswith("the layers kept whole name layer"):
+                continue  # checked against the model's layers, which kvevict-select reads after its options
             flag = "--" + name.replace("_", "-")
             if name in ("no_covariance", "reference_quirks", "no_floor", "open_window"):
                 assert api == "%s expects a boolean (1, true, 0 or false), got '%s'" % (name, value)
@@ -647,6 +649,20 @@ def test_threshold_budget():
         kvevict.select_layers("snapkv", layers, budget=4, count_upper=3)
     with pytest.raises(ValueError, match="give exactly one of budget, keep, compression_ratio and threshold"):
         kvevict.select_layers("snapkv", layers, budget=4, threshold=0.1)
+
+
+def test_keep_whole():
+    """docs/algorithms.md#hybrid-models: keep_whole=[1] keeps layer 1 whole (it needs only its keys); layer 0 selects
+    as a model of itself alone; a layer beyond the model is refused by name."""
+    layers = make_layers(**CONFIGS["g1-1layer-d4-f32"]) * 2
+    whole = dict(keys=layers[1]["keys"], values=layers[1]["values"])
+    for p in POLICIES:
+        sel = kvevict.select_layers(p, [layers[0], whole], budget=6, keep_whole=[1])
+        (alone,) = kvevict.select_layers(p, [layers[0]], budget=6)
+        np.testing.assert_array_equal(sel[0].indices, alone.indices)
+        assert sel[1].total == layers[1]["keys"].shape[0] * layers[1]["keys"].shape[1], p
+    with pytest.raises(ValueError, match="the layers kept whole name layer 2; the model has 2 layers"):
+        kvevict.select_layers("snapkv", layers, budget=6, keep_whole="2")
 
 
 # ----------------------------------------------------------------------------------------------------------------

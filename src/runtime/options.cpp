@@ -35,6 +35,9 @@ Parameter choice(std::string_view name, std::vector<std::string_view> choices, s
 Parameter flag(std::string_view name, std::string_view help, Apply apply) {
   return Parameter{name, Type::flag, "", "", help, "", "", false, false, Parity::any, {}, apply};
 }
+Parameter layer_list(std::string_view name, std::string_view metavar, std::string_view help, Apply apply) {
+  return Parameter{name, Type::layer_list, metavar, "", help, "", "", false, false, Parity::any, {}, apply};
+}
 Parameter word(std::string_view name, std::string_view metavar, std::string_view help, Apply apply) {
   return Parameter{name, Type::name, metavar, "", help, "", "", false, false, Parity::any, {}, apply};
 }
@@ -131,6 +134,10 @@ std::vector<Parameter> make_table() {
       choice("prefix-budget", {"counted", "extra"}, "counted",
              "whether the budget counts the protected prefix or keeps it on top",
              [](D d, V v) { d.options.prefix_extra = v.text == "extra"; }),
+      layer_list("keep-whole", "L,L,...",
+                 "layers the engine keeps whole (a hybrid model's sliding-window or full layers): every entry kept, "
+                 "no part of the model's budget",
+                 [](D d, V v) { d.options.keep_whole = v.list; }),
       real("eps", "E", "1e-4", "CriticalKV eps", "0", false, "", false, [](D d, V v) { d.options.knobs.eps = v.real; }),
       real("first-stage-ratio", "R", "0.5", "CriticalKV share of each head's budget chosen by attention", "0", false,
            "1", false, [](D d, V v) { d.options.knobs.first_stage_ratio = v.real; }),
@@ -169,6 +176,28 @@ Index parse_int(const std::string& flag, const std::string& text) {
   if (text.empty() || *end != '\0' || errno == ERANGE)
     throw usage_error(flag + " expects an integer, got '" + text + "'");
   return static_cast<Index>(v);
+}
+
+/// "3" or "1,3,5": distinct layer indices >= 0, returned ascending.
+std::vector<Index> parse_layer_list(const std::string& flag, const std::string& text) {
+  std::vector<Index> out;
+  std::size_t start = 0;
+  while (true) {
+    const std::size_t comma = text.find(',', start);
+    const std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    errno = 0;
+    char* end = nullptr;
+    const long long v = std::strtoll(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || errno == ERANGE || v < 0)
+      throw usage_error(flag + " expects layer indices >= 0 separated by commas, got '" + text + "'");
+    out.push_back(static_cast<Index>(v));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  std::sort(out.begin(), out.end());
+  if (std::adjacent_find(out.begin(), out.end()) != out.end())
+    throw usage_error(flag + " names a layer twice, got '" + text + "'");
+  return out;
 }
 
 bool parse_bool(const std::string& flag, const std::string& v) {
@@ -272,6 +301,11 @@ std::map<std::string, std::string> Options::metadata() const {
                          : scope == kvevict::Budget::Scope::layer ? "layer"
                                                                   : "model";
   }
+  if (!keep_whole.empty()) {
+    std::string layers;
+    for (Index l : keep_whole) layers += (layers.empty() ? "" : ",") + std::to_string(l);
+    out["keep_whole"] = layers;
+  }
   if (protect_prefix > 0) {
     out["protect_prefix"] = std::to_string(protect_prefix);
     out["prefix_budget"] = prefix_extra ? "extra" : "counted";
@@ -354,6 +388,9 @@ void OptionSet::set(const std::string& name, const std::string& value) {
         throw usage_error(flag + " must be " + p->expected() + ", got '" + value + "'");
       break;
     case Type::name:
+      break;
+    case Type::layer_list:
+      v.list = parse_layer_list(flag, value);
       break;
   }
   if ((p->type == Type::integer || p->type == Type::real) && !in_range(*p, v.real))

@@ -8,6 +8,7 @@
 //   usage_error("kernel must be an odd number >= 1, ...") runtime::Options options =
 //   set.finish(/*needs_budget=*/false);
 
+#include <algorithm>
 #include <map>
 #include <optional>
 #include <stdexcept>
@@ -46,6 +47,9 @@ struct Options {
   /// A threshold budget's count bounds (docs/algorithms.md#threshold-budgets): none given, none applied.
   std::optional<Index> count_lower, count_upper;
   std::optional<kvevict::Budget::Scope> count_scope;
+  /// The layers the engine keeps whole (docs/algorithms.md#hybrid-models), ascending.
+  std::vector<Index> keep_whole;
+  bool keeps_whole(Index layer) const { return std::binary_search(keep_whole.begin(), keep_whole.end(), layer); }
 
   /// `b` (the budget given, apart as the C API and Python give it, or by its option) with the protected prefix and
   /// the count bounds of these options; count bounds on a count budget are refused by name.
@@ -65,7 +69,7 @@ struct Options {
 /// "first_stage_ratio" in the C API and Python. Both spellings are accepted as names everywhere.
 enum class Spelling { command_line, api };
 
-enum class ParameterType { integer, real, choice, flag, name };
+enum class ParameterType { integer, real, choice, flag, name, layer_list };
 
 /// A value as its row's type parsed it (the text as given, and the number or boolean it reads as).
 struct ParsedValue {
@@ -73,6 +77,7 @@ struct ParsedValue {
   Index integer = 0;
   double real = 0.0;
   bool flag = false;
+  std::vector<Index> list;  // a layer list: distinct indices >= 0, ascending
 };
 
 /// What OptionSet::set has gathered: the options, and which policy, base, selector and budgets were named.

@@ -244,8 +244,13 @@ std::vector<Selection> select_typed(const Options& options, const kvevict_layer*
   std::optional<Index> window = options.knobs.window;
   std::vector<LayerHold<KV, S>> held(n_layers);  // never resized: the views point into these
   std::vector<LayerInputs<KV, S, S>> inputs;
+  if (!options.keep_whole.empty() && options.keep_whole.back() >= static_cast<Index>(n_layers))
+    throw invalid_argument("the layers kept whole name layer " + std::to_string(options.keep_whole.back()) +
+                           "; the model has " + std::to_string(n_layers) + " layers");
   for (std::size_t l = 0; l < n_layers; ++l) {
     const kvevict_layer& in = layers[l];
+    // A layer kept whole (docs/algorithms.md#hybrid-models) is read for its keys' shape only.
+    const bool whole = options.keeps_whole(static_cast<Index>(l));
     LayerHold<KV, S>& h = held[l];
     const std::string at = layer_prefix(names, l);
     check_cache<KV>(in, at, names);
@@ -266,11 +271,11 @@ std::vector<Selection> select_typed(const Options& options, const kvevict_layer*
       throw invalid_argument(at + "q_window and " + at + "window_attention are both given; expected exactly one");
     const bool queries = in.q_window.data != nullptr;
     const kvevict_tensor* obs = queries ? &in.q_window : in.window_attention.data ? &in.window_attention : nullptr;
-    if (!obs && options.reads_observation)
+    if (!obs && options.reads_observation && !whole)
       throw invalid_argument(at + "q_window [heads, window, head_dim] (or " + at +
                              "window_attention [heads, window, tokens]) is missing; the " + options.policy +
                              " policy needs it");
-    if (obs && options.reads_observation) {
+    if (obs && options.reads_observation && !whole) {
       check_tensor(*obs, 3, at + (queries ? "q_window" : "window_attention"),
                    queries ? "[heads, window, head_dim]" : "[heads, window, tokens]");
       h.observation = hold3<S>(*obs);
@@ -296,7 +301,7 @@ std::vector<Selection> select_typed(const Options& options, const kvevict_layer*
         h.inputs.w_o = h.w_o.view();
       }
     }
-    if (options.reads_scores) {
+    if (options.reads_scores && !whole) {
       if (!in.scores.data)
         throw invalid_argument(at + "scores [kv_heads, tokens] is missing; the " + options.policy +
                                " policy ranks the score the engine computed for each entry");
@@ -324,6 +329,7 @@ std::vector<Selection> select_typed(const Options& options, const kvevict_layer*
         h.inputs.positions = positions_heads_major(h.positions.data(), Hkv, L);
       }
     }
+    h.inputs.evict = !whole;
     inputs.push_back(h.inputs);
   }
   return run_policy<S>(options, inputs, window);

@@ -682,6 +682,32 @@ static void test_options(void) {
     kvevict_policy_free(plain);
     kvevict_policy_free(capped);
   }
+  { /* keep_whole: layer 1 of 2 kept whole (a hybrid model's sliding-window layer), layer 0 selected as alone */
+    const char* k[] = {"keep_whole"};
+    const char* one_v[] = {"1"};
+    const char* two_v[] = {"2"};
+    kvevict_policy *hybrid = create("snapkv", k, one_v, 1, __LINE__),
+                   *plain = create("snapkv", NULL, NULL, 0, __LINE__),
+                   *beyond = create("snapkv", k, two_v, 1, __LINE__);
+    kvevict_selection *s = NULL, *t = NULL;
+    snprintf(context, sizeof context, "option keep_whole");
+    if (hybrid && plain && beyond) {
+      s = select_ok(hybrid, kvevict_tokens(BUDGET), layers, 2, __LINE__);
+      t = select_ok(plain, kvevict_tokens(BUDGET), layers, 1, __LINE__);
+      if (s && t) {
+        CHECK(same_layer(s, 0, t, 0));
+        CHECK(kvevict_selection_total(s, 1) == HKV * L);
+      }
+      select_error("keep_whole beyond the model", beyond, kvevict_tokens(BUDGET), layers, 2,
+                   "the layers kept whole name layer 2; the model has 2 layers", __LINE__);
+    }
+    option_error("keep_whole not a list", "snapkv", "keep_whole", "1,a", "keep_whole expects layer indices", __LINE__);
+    kvevict_selection_free(s);
+    kvevict_selection_free(t);
+    kvevict_policy_free(hybrid);
+    kvevict_policy_free(plain);
+    kvevict_policy_free(beyond);
+  }
   { /* share=layer: every head of a layer keeps one set; share=model: every head of every layer */
     const char* k[] = {"share"};
     const char* layer_v[] = {"layer"};

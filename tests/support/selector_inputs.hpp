@@ -87,6 +87,19 @@ VLayer rounded_to(VLayer l) {
   return l;
 }
 
+/// The four engine layouts the catalogue-wide tests sweep (docs/algorithms.md#layouts): per head by token, per layer
+/// by token, each KV head's pages of 16, the model's pages of 16.
+struct EngineLayout {
+  kvevict::Sharing share;
+  kvevict::Index block;
+};
+inline std::vector<EngineLayout> engine_layouts() {
+  return {{kvevict::Sharing::per_head, 1},
+          {kvevict::Sharing::per_layer, 1},
+          {kvevict::Sharing::per_head, 16},
+          {kvevict::Sharing::per_model, 16}};
+}
+
 /// Storage of one layer in type T and the LayerInputs viewing it. Not copyable (the views point into the vectors);
 /// moving keeps the buffers, so returning it by value is fine.
 template <class T>

@@ -471,4 +471,35 @@ TEST_CASE("kvevict-select --threshold with --count-lower/-upper/-scope selects a
                  {"--count-scope must be head, layer or model, got 'all'"});
 }
 
+TEST_CASE("kvevict-select --keep-whole keeps a hybrid model's layers whole, the others as a model of them alone",
+          "[cli][layout][hybrid]") {
+  // docs/algorithms.md#hybrid-models: layer 1 of 3 kept whole; layers 0 and 2 select as the file of those two.
+  const std::vector<FileLayer> layers = shared_model(20261208u, 3);
+  const fs::path in = scratch() / "hybrid.safetensors", pair = scratch() / "hybrid_pair.safetensors",
+                 out = scratch() / "hybrid_out.safetensors", pair_out = scratch() / "hybrid_pair_out.safetensors";
+  write_model(in, layers);
+  write_model(pair, {layers[0], layers[2]});
+  for (const std::string& policy : policy_names()) {
+    const Run whole = run_cli("--policy " + policy + " --budget 8 --keep-whole 1" + io(in, out));
+    const Run alone = run_cli("--policy " + policy + " --budget 8" + io(pair, pair_out));
+    CAPTURE(policy, whole.err, alone.err);
+    REQUIRE(whole.status == 0);
+    REQUIRE(alone.status == 0);
+    const st::file f = st::file::open(out.string()), g = st::file::open(pair_out.string());
+    CHECK(f.metadata().at("keep_whole") == "1");
+    CHECK(read_written(f, 0).indices == read_written(g, 0).indices);
+    CHECK(read_written(f, 2).indices == read_written(g, 1).indices);
+    const Written kept = read_written(f, 1);
+    std::size_t entries = 0;
+    for (const auto& head : layers[1].r.heads) entries += head.pos.size();
+    CHECK(kept.indices.size() == entries);
+  }
+  expect_failure("--policy snapkv --budget 8 --keep-whole 1,x" + io(in, out), 2,
+                 {"--keep-whole expects layer indices >= 0 separated by commas, got '1,x'"});
+  expect_failure("--policy snapkv --budget 8 --keep-whole 1,1" + io(in, out), 2,
+                 {"--keep-whole names a layer twice, got '1,1'"});
+  expect_failure("--policy snapkv --budget 8 --keep-whole 3" + io(in, out), 1,
+                 {"the layers kept whole name layer 3; the model has 3 layers"});
+}
+
 }  // namespace test_select_cli_layout

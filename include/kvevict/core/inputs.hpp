@@ -49,6 +49,10 @@ using gram_scalar_t = std::conditional_t<std::is_same_v<std::remove_const_t<T>, 
 ///   keys_scale, values_scale  int8 and fp8 caches only (docs/algorithms.md#quantized): entry j of KV head h holds
 ///             float(stored) * (tensor * token(h, j)); the default (tensor 1, no token scales) reads the codes as
 ///             they are. Every stage selects exactly as on float storage holding those values.
+///   evict     false: a layer the engine keeps whole, a sliding-window or full-attention layer of a hybrid model
+///             (docs/algorithms.md#hybrid-models). Only keys (with lengths and positions) are read, for the shape;
+///             its Selection keeps every entry; model budgets, share = per_model and PyramidKV's schedule count the
+///             evicted layers only.
 template <class KV, class Q = KV, class W = Q>
 struct LayerInputs {
   using kv_type = KV;
@@ -66,6 +70,7 @@ struct LayerInputs {
   HeadsView<const float> accumulated;
   KVScale keys_scale, values_scale;
   HeadsView<const Q> scores;
+  bool evict = true;
 };
 
 }  // namespace kvevict

@@ -159,11 +159,16 @@ std::vector<Selection> select_layers(const P& policy, const std::vector<LayerInp
     if (policy.params().share == Sharing::per_model ||
         (budget.is_threshold() && budget.bounds_scope() == Budget::Scope::model))
       return policy.template select<S>(layers, budget);
+    // A layer's place among the evicted layers (docs/algorithms.md#hybrid-models: a layer kept whole is no part of
+    // the model, so PyramidKV schedules the others).
+    Index evicted = 0;
+    for (const auto& in : layers) evicted += in.evict ? 1 : 0;
     std::vector<Selection> out;
     out.reserve(layers.size());
+    Index place = 0;
     for (std::size_t l = 0; l < layers.size(); ++l)
-      out.push_back(
-          policy.template select<S>(layers[l], budget, static_cast<Index>(l), static_cast<Index>(layers.size())));
+      out.push_back(layers[l].evict ? policy.template select<S>(layers[l], budget, place++, evicted)
+                                    : policy.template select<S>(layers[l], budget));
     return out;
   }
 }

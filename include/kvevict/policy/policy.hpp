@@ -3,10 +3,13 @@
 /// plan over a model's layers, or a whole model at once. One run loop (run() below) serves every entry point:
 ///   score (each layer) -> group (the layout's units) -> allocate (per layer, or across layers) -> select -> expand
 
+#include <algorithm>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kvevict/allocation/layer_budget.hpp"
@@ -142,7 +145,8 @@ class Policy {
   template <class S>
   class Plan {
    public:
-    /// `layers`: the model's layer count when known (0: not given; a scheduled allocation needs it).
+    /// `layers`: the model's evicted layers when known (every layer but those kept whole, LayerInputs::evict; 0: not
+    /// given; a scheduled allocation needs it).
     Plan(const Policy& policy, const Budget& budget, Index layers = 0)
         : policy_(policy), budget_(budget), model_layers_(layers) {
       detail::require(layers >= 0, (policy_.name_ + "::plan").c_str(), "layers must be >= 0, got ", layers);
@@ -150,31 +154,45 @@ class Policy {
     /// Scores the next layer (in model order); errors start with "kvevict::<name>::add (layer <i>): ".
     template <class KV, class Q, class W>
     void add(const LayerInputs<KV, Q, W>& in) {
-      const auto layer = static_cast<Index>(layers_.size());
-      const std::string where = policy_.name_ + "::add (layer " + std::to_string(layer) + ")";
+      const std::string where = policy_.name_ + "::add (layer " + std::to_string(added_) + ")";
+      if (!in.evict) {  // kept whole (docs/algorithms.md#hybrid-models): no part of the model's budget
+        whole_.emplace_back(added_, policy_.keep_whole(in, where));
+        ++added_;
+        return;
+      }
+      const auto layer = static_cast<Index>(layers_.size());  // its place among the evicted layers
       detail::require(model_layers_ == 0 || layer < model_layers_, where.c_str(), "the plan was made for ",
-                      model_layers_, " layers");
+                      model_layers_, " evicted layers");
       policy_.add_scored(layers_, policy_.template score_layer<S>(in, budget_, where, {layer, model_layers_}));
       layers_.back().shape.positions = PositionsView();  // the engine's view may not outlive add(): the map has a copy
+      evicted_.push_back(added_++);                      // nothing changes when add() throws
     }
     /// One Selection per added layer.
     std::vector<Selection> apply() const {
       const std::string where = policy_.name_ + "::apply";
-      detail::require(!layers_.empty(), where.c_str(), "no layer was added");
+      detail::require(added_ > 0, where.c_str(), "no layer was added");
       detail::require(model_layers_ == 0 || static_cast<Index>(layers_.size()) == model_layers_, where.c_str(),
-                      "the plan was made for ", model_layers_, " layers, ", layers_.size(), " were added");
-      for (std::size_t l = 0; l < layers_.size(); ++l) {
-        layers_[l].restore_positions();
-        layers_[l].where = where + " (layer " + std::to_string(l) + ")";
+                      "the plan was made for ", model_layers_, " evicted layers, ", layers_.size(), " were added");
+      std::vector<Selection> out(static_cast<std::size_t>(added_));
+      for (const auto& [l, whole] : whole_) out[static_cast<std::size_t>(l)] = whole;
+      if (layers_.empty()) return out;
+      for (std::size_t i = 0; i < layers_.size(); ++i) {
+        layers_[i].restore_positions();
+        layers_[i].where = where + " (layer " + std::to_string(evicted_[i]) + ")";
       }
-      return policy_.run(layers_, where, no_refinement);
+      std::vector<Selection> kept = policy_.run(layers_, where, no_refinement);
+      for (std::size_t i = 0; i < kept.size(); ++i) out[static_cast<std::size_t>(evicted_[i])] = std::move(kept[i]);
+      return out;
     }
 
    private:
     Policy policy_;
     Budget budget_;
     Index model_layers_;
-    mutable std::vector<Scored<S>> layers_;  // apply() allocates on the maps (a safeguard promotes entries)
+    Index added_ = 0;                                 // layers added, in model order
+    std::vector<Index> evicted_;                      // the model index of each scored layer
+    std::vector<std::pair<Index, Selection>> whole_;  // the layers kept whole, by model index
+    mutable std::vector<Scored<S>> layers_;           // apply() allocates on the maps (a safeguard promotes entries)
   };
 
   /// A plan for one model: add() every layer in order, then apply(). S is the arithmetic type. `layers`, the
@@ -185,23 +203,40 @@ class Policy {
   }
 
   /// All layers at once (any `share`): one Selection per layer. The same as a plan, with the inputs alive until the
-  /// selection is made (so the pruned L1 term of CriticalSelector refines its bounds here too).
+  /// selection is made (so the pruned L1 term of CriticalSelector refines its bounds here too). A layer kept whole
+  /// (LayerInputs::evict = false) keeps every entry and is no part of the model's budget.
   template <class S = float, class KV, class Q, class W>
   std::vector<Selection> select(const std::vector<LayerInputs<KV, Q, W>>& layers, const Budget& budget) const {
-    const auto count = static_cast<Index>(layers.size());
-    std::vector<Scored<S>> scored;
-    for (Index l = 0; l < count; ++l)
-      add_scored(scored,
-                 score_layer<S>(layers[static_cast<std::size_t>(l)], budget,
-                                name_ + "::add (layer " + std::to_string(l) + ")", {l, count}, refines(budget)));
     const std::string where = name_ + "::apply";
-    detail::require(!scored.empty(), where.c_str(), "no layer was added");
-    for (std::size_t l = 0; l < scored.size(); ++l) scored[l].where = where + " (layer " + std::to_string(l) + ")";
-    if constexpr (detail::refines_bounds<SelectorType>::value)
-      return run(scored, where,
-                 [&](std::size_t l, auto&... args) { return selector_.refine(args..., layers[l], scored[l].shape); });
-    else
-      return run(scored, where, no_refinement);
+    detail::require(!layers.empty(), where.c_str(), "no layer was added");
+    std::vector<std::size_t> evicted;  // the model index of each scored layer
+    std::vector<Selection> out(layers.size());
+    for (std::size_t l = 0; l < layers.size(); ++l) {
+      if (layers[l].evict)
+        evicted.push_back(l);
+      else
+        out[l] = keep_whole(layers[l], name_ + "::add (layer " + std::to_string(l) + ")");
+    }
+    if (evicted.empty()) return out;
+    const auto count = static_cast<Index>(evicted.size());
+    std::vector<Scored<S>> scored;
+    for (Index i = 0; i < count; ++i) {
+      const std::size_t l = evicted[static_cast<std::size_t>(i)];
+      add_scored(scored, score_layer<S>(layers[l], budget, name_ + "::add (layer " + std::to_string(l) + ")",
+                                        {i, count}, refines(budget)));
+    }
+    for (std::size_t i = 0; i < scored.size(); ++i)
+      scored[i].where = where + " (layer " + std::to_string(evicted[i]) + ")";
+    std::vector<Selection> kept = [&] {
+      if constexpr (detail::refines_bounds<SelectorType>::value)
+        return run(scored, where, [&](std::size_t i, auto&... args) {
+          return selector_.refine(args..., layers[evicted[i]], scored[i].shape);
+        });
+      else
+        return run(scored, where, no_refinement);
+    }();
+    for (std::size_t i = 0; i < kept.size(); ++i) out[evicted[i]] = std::move(kept[i]);
+    return out;
   }
 
  private:
@@ -217,9 +252,21 @@ class Policy {
       return false;
   }
 
+  /// A layer the engine keeps whole (LayerInputs::evict = false, docs/algorithms.md#hybrid-models): every entry, in
+  /// whole blocks of the layout's block size and its tail.
+  template <class KV, class Q, class W>
+  Selection keep_whole(const LayerInputs<KV, Q, W>& in, const std::string& where) const {
+    const extend::LayerShape shape = detail::read_entries(in, where.c_str());
+    extend::KeepFlags keep(static_cast<std::size_t>(shape.kv_heads * shape.tokens), 0);
+    for (Index h = 0; h < shape.kv_heads; ++h)
+      std::fill_n(keep.begin() + h * shape.tokens, shape.length(h), std::uint8_t{1});
+    return Selection::from_flags(keep, shape, params_.block);
+  }
+
   template <class S, class KV, class Q, class W>
   Selection select_one(const LayerInputs<KV, Q, W>& in, const Budget& budget, const std::string& where,
                        extend::LayerPlace place = {}) const {
+    if (!in.evict) return keep_whole(in, where);
     if constexpr (!allocates_model())
       detail::require(params_.share != Sharing::per_model, where.c_str(),
                       "share = per_model selects every layer at once: use select(layers, budget) or plan()");

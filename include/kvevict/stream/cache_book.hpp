@@ -173,9 +173,25 @@ class CacheBook {
   CacheBook(Index layers, Index kv_heads, Index capacity) {
     detail::require(layers >= 1, "CacheBook", "needs layers >= 1, got ", layers);
     layers_.assign(static_cast<std::size_t>(layers), LayerBook(kv_heads, capacity));
+    evict_.assign(layers_.size(), true);
+  }
+  /// A hybrid model (docs/algorithms.md#hybrid-models): layer l has kv_heads[l] KV heads, and the layers with
+  /// kept_whole[l] (empty: none) are never evicted (sliding-window or full-attention layers the engine keeps): the
+  /// model's budget counts the other layers only.
+  CacheBook(const std::vector<Index>& kv_heads, Index capacity, const std::vector<bool>& kept_whole = {}) {
+    detail::require(!kv_heads.empty(), "CacheBook", "needs layers >= 1, got 0");
+    detail::require(kept_whole.empty() || kept_whole.size() == kv_heads.size(), "CacheBook", "kept_whole has ",
+                    kept_whole.size(), " entries, expected one per layer (", kv_heads.size(), ") or none");
+    for (Index h : kv_heads) layers_.emplace_back(h, capacity);
+    evict_.assign(layers_.size(), true);
+    for (std::size_t l = 0; l < kept_whole.size(); ++l) evict_[l] = !kept_whole[l];
   }
 
   Index layers() const { return static_cast<Index>(layers_.size()); }
+  /// Whether layer l is evicted (false: the engine keeps it whole).
+  bool evicts(Index l) const { return evict_[checked(l)]; }
+  /// The evicted layers.
+  Index evicted_layers() const { return static_cast<Index>(std::count(evict_.begin(), evict_.end(), true)); }
   LayerBook& layer(Index l) { return layers_[checked(l)]; }
   const LayerBook& layer(Index l) const { return layers_[checked(l)]; }
   /// Position of the next token (tokens appended so far, evicted or not).
@@ -189,12 +205,13 @@ class CacheBook {
     return n;
   }
 
-  /// Whether the model holds more than its budget of n tokens per KV head on average (the sum over layers of Hkv * n
-  /// entries: what a layer-global policy evicts to).
+  /// Whether the model holds more than its budget of n tokens per KV head on average (the sum over the evicted layers
+  /// of Hkv * n entries, against their entries: what a layer-global policy evicts to).
   bool over_budget(Index n) const {
-    Index total = 0;
-    for (const LayerBook& l : layers_) total += l.kv_heads() * n;
-    return entries() > total;
+    Index total = 0, held = 0;
+    for (std::size_t l = 0; l < layers_.size(); ++l)
+      if (evict_[l]) total += layers_[l].kv_heads() * n, held += layers_[l].entries();
+    return held > total;
   }
 
   /// Records n tokens appended to every layer and head at next_position() .. + n - 1.
@@ -225,6 +242,7 @@ class CacheBook {
   }
 
   std::vector<LayerBook> layers_;
+  std::vector<bool> evict_;  // [layers] false: kept whole
   std::int64_t next_position_ = 0;
   Index step_ = 0;
 };

@@ -56,8 +56,9 @@ Index evict_over_budget(const P& policy, CacheBook& book, const Budget& budget, 
   const auto n = static_cast<Index>(budget.value()) + static_cast<Index>(budget.extra());
   const bool model_wide = detail::selects_model(policy);
   std::vector<Index> due;
-  for (Index l = 0; l < book.layers(); ++l)
-    if (model_wide ? book.over_budget(n) : book.layer(l).over_budget(n)) due.push_back(l);  // model: all or none
+  for (Index l = 0; l < book.layers(); ++l)  // a layer kept whole is never due (docs/algorithms.md#hybrid-models)
+    if (book.evicts(l) && (model_wide ? book.over_budget(n) : book.layer(l).over_budget(n)))
+      due.push_back(l);  // model: every evicted layer or none
   if (due.empty()) {
     book.end_step();
     return 0;
@@ -68,7 +69,7 @@ Index evict_over_budget(const P& policy, CacheBook& book, const Budget& budget, 
                   "): the window is the step's last w queries");
   std::vector<Selection> selections;
   if (model_wide) {
-    auto plan = policy.template plan<S>(budget, book.layers());  // every layer is due, in the model's order
+    auto plan = policy.template plan<S>(budget, book.evicted_layers());  // every evicted layer is due, in order
     for (Index l : due) plan.add(book.layer(l).describe(inputs_of(l)));
     selections = plan.apply();
   } else {
