@@ -196,7 +196,8 @@ class Policy {
   };
 
   /// A plan for one model: add() every layer in order, then apply(). S is the arithmetic type. `layers`, the
-  /// model's layer count, is needed by a scheduled allocation (PyramidKV); apply() then checks that many were added.
+  /// model's evicted layer count (docs/algorithms.md#hybrid-models), is needed by a scheduled allocation (PyramidKV);
+  /// apply() then checks that many were added.
   template <class S = float>
   Plan<S> plan(const Budget& budget, Index layers = 0) const {
     return Plan<S>(*this, budget, layers);
