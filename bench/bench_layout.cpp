@@ -10,8 +10,9 @@
 //   per_layer/16/prefix  pages as per_layer/16, with a shared prompt prefix of L / 16 positions protected and kept on
 //                 top of the budget (docs/algorithms.md#protected-prefix; x_tokens: against per_head/1 without it)
 //   per_head/1/threshold  a threshold budget (docs/algorithms.md#threshold-budgets): tau 0, at most n_kept per head
-//                 (every nonnegative score passes and the cap binds: the same count as per_head/1, so x_tokens is the
-//                 cost of counting the passing entries in place of the allocation)
+//                 (attention-based scores are nonnegative: all pass and the cap binds, the count of per_head/1, so
+//                 x_tokens is the cost of counting the passing entries in place of the allocation; KNorm's and
+//                 KeyDiff's scores can be negative, so they keep fewer)
 // Value-aware policies run in the engine's form, "<name>-l2-gram" (value_norm = l2, the Gram matrices precomputed
 // once per layer, LayerInputs::w_o_gram). Counters, measured in the same process:
 //   x_floor    time / (kLayers * the window-attention GEMM of one layer): the floor of bench_policies.cpp
