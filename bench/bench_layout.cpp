@@ -13,6 +13,10 @@
 //                 (attention-based scores are nonnegative: all pass and the cap binds, the count of per_head/1, so
 //                 x_tokens is the cost of counting the passing entries in place of the allocation; KNorm's and
 //                 KeyDiff's scores can be negative, so they keep fewer)
+//   per_head/1/hybrid  a hybrid model (docs/algorithms.md#hybrid-models): layer 0 kept whole (LayerInputs::evict
+//                 false, a sliding-window or full layer the engine keeps), the budget over the other kLayers - 1
+//                 (x_tokens against per_head/1 on all kLayers: about (kLayers - 1) / kLayers when a whole layer
+//                 costs nothing; kept counts the evicted layers)
 // Value-aware policies run in the engine's form, "<name>-l2-gram" (value_norm = l2, the Gram matrices precomputed
 // once per layer, LayerInputs::w_o_gram). Counters, measured in the same process:
 //   x_floor    time / (kLayers * the window-attention GEMM of one layer): the floor of bench_policies.cpp
@@ -111,17 +115,23 @@ const Stack& stack(const Model& m, Index L) {
   return *held;
 }
 
+/// What a row changes beyond the layout: the budget, or which layers are evicted.
+enum class Variant { plain, prefix, threshold, hybrid };
+
 template <class Policy>
 void BM_Layout(benchmark::State& state, const Model& m, Index L, const Policy& policy, const Policy& tokens,
-               bool baseline, bool prefix, bool threshold) {
+               bool baseline, Variant variant) {
   const Stack& s = stack(m, L);
-  const std::vector<kvevict::LayerInputs<float>> layers =
+  const std::vector<kvevict::LayerInputs<float>> all =
       observed_by(policy, policy.reads_values() ? s.with_gram : s.plain);
+  std::vector<kvevict::LayerInputs<float>> layers = all;
+  if (variant == Variant::hybrid) layers[0].evict = false;
+  const Index evicted = variant == Variant::hybrid ? kLayers - 1 : kLayers;
   const auto plain = kvevict::Budget::keep_ratio(kKeep);
-  const auto budget =
-      prefix      ? plain.protect_prefix(L / 16, kvevict::Budget::PrefixBudget::extra)
-      : threshold ? kvevict::Budget::threshold(0.0).count_bounds(0, plain.n_kept(L), kvevict::Budget::Scope::head)
-                  : plain;
+  const auto budget = variant == Variant::prefix ? plain.protect_prefix(L / 16, kvevict::Budget::PrefixBudget::extra)
+                      : variant == Variant::threshold ? kvevict::Budget::threshold(0.0).count_bounds(
+                                                            0, plain.n_kept(L), kvevict::Budget::Scope::head)
+                                                      : plain;
   const auto n_kept = static_cast<Index>(budget.n_kept(L));
   double total = 0, total_tokens = 0, extra_bytes = 0;
   Index kept = 0;
@@ -130,21 +140,22 @@ void BM_Layout(benchmark::State& state, const Model& m, Index L, const Policy& p
     const double t = seconds([&] {
       const std::vector<kvevict::Selection> sels = kvevict::select_layers(policy, layers, budget);
       kept = 0;
-      for (const kvevict::Selection& sel : sels) kept += sel.total();
+      for (std::size_t l = 0; l < sels.size(); ++l)
+        if (layers[l].evict) kept += sels[l].total();
       benchmark::DoNotOptimize(sels.data());
     });
     extra_bytes = std::max(extra_bytes, static_cast<double>(heap::peak_since(level)));
     state.SetIterationTime(t);
     total += t;
     if (!baseline)
-      total_tokens += seconds([&] { benchmark::DoNotOptimize(kvevict::select_layers(tokens, layers, plain).data()); });
+      total_tokens += seconds([&] { benchmark::DoNotOptimize(kvevict::select_layers(tokens, all, plain).data()); });
   }
   const double per_iter = total / static_cast<double>(state.iterations());
   state.counters["x_floor"] = per_iter / (static_cast<double>(kLayers) * s.floors.window);
   if (policy.reads_values())
     state.counters["x_floors"] = per_iter / (static_cast<double>(kLayers) * (s.floors.window + s.floors.gram));
   state.counters["x_tokens"] = baseline ? 1.0 : total / total_tokens;
-  state.counters["kept"] = static_cast<double>(kept) / static_cast<double>(kLayers * m.Hkv * n_kept);
+  state.counters["kept"] = static_cast<double>(kept) / static_cast<double>(evicted * m.Hkv * n_kept);
   state.counters["extra_MiB"] = extra_bytes / 1048576.0;
   state.SetLabel(std::string(m.name) + " f32, " + std::to_string(kLayers) + " layers, n " + std::to_string(n_kept));
 }
@@ -152,16 +163,17 @@ void BM_Layout(benchmark::State& state, const Model& m, Index L, const Policy& p
 struct Layout {
   kvevict::Sharing share;
   Index block;
-  bool prefix = false;     // a protected prefix of L / 16 positions, kept on top of the budget
-  bool threshold = false;  // a threshold budget of tau 0, at most n_kept per head
+  Variant variant = Variant::plain;
+  const char* suffix = "/";  // the name's part after <block>
 };
 constexpr Layout kLayouts[] = {{kvevict::Sharing::per_head, 1},
                                {kvevict::Sharing::per_layer, 1},
                                {kvevict::Sharing::per_head, 16},
                                {kvevict::Sharing::per_layer, 16},
                                {kvevict::Sharing::per_model, 16},
-                               {kvevict::Sharing::per_layer, 16, true},
-                               {kvevict::Sharing::per_head, 1, false, true}};
+                               {kvevict::Sharing::per_layer, 16, Variant::prefix, "/prefix/"},
+                               {kvevict::Sharing::per_head, 1, Variant::threshold, "/threshold/"},
+                               {kvevict::Sharing::per_head, 1, Variant::hybrid, "/hybrid/"}};
 
 void register_layout() {
   const Model m = kLlama8B;
@@ -176,17 +188,15 @@ void register_layout() {
         kvevict::Knobs k = knobs;
         k.share = layout.share;
         k.block = layout.block;
-        const bool baseline = layout.share == kvevict::Sharing::per_head && layout.block == 1 && !layout.threshold;
-        if (layout.threshold && entry.name == std::string_view("pyramidkv")) continue;  // a scheduled count: refused
+        const bool baseline =
+            layout.share == kvevict::Sharing::per_head && layout.block == 1 && layout.variant == Variant::plain;
+        if (layout.variant == Variant::threshold && entry.name == std::string_view("pyramidkv"))
+          continue;  // a scheduled count: refused
         const std::string name = "BM_layout/" + row + "/" + kvevict::to_string(layout.share) + "/" +
-                                 std::to_string(layout.block) +
-                                 (layout.prefix      ? "/prefix/"
-                                  : layout.threshold ? "/threshold/"
-                                                     : "/") +
-                                 m.name + "/" + std::to_string(L);
+                                 std::to_string(layout.block) + layout.suffix + m.name + "/" + std::to_string(L);
         benchmark::RegisterBenchmark(name.c_str(),
                                      [m, L, policy = entry.make(k), tokens, baseline, layout](benchmark::State& s) {
-                                       BM_Layout(s, m, L, policy, tokens, baseline, layout.prefix, layout.threshold);
+                                       BM_Layout(s, m, L, policy, tokens, baseline, layout.variant);
                                      })
             ->Unit(benchmark::kMillisecond)
             ->UseManualTime();
