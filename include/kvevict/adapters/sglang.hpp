@@ -72,18 +72,18 @@ inline SGLangPlan sglang_plan(const std::vector<Selection>& layers, const std::v
   // Rotations: runs of consecutive slots with one delta.
   for (Index j = 0; j < n;) {
     const std::int64_t delta = first + j - p[static_cast<std::size_t>(j)];
-    detail::require(delta == 0 || rows[j] >= shared_tokens, where, "renumbering from first = ", first,
-                    " would turn the key of shared token ", rows[j], " (slot ", plan.slots[static_cast<std::size_t>(j)],
-                    ", position ", p[static_cast<std::size_t>(j)], " -> ", first + j,
-                    "), which the radix cache holds for other requests: keep the shared prefix (Budget::protect_prefix(",
-                    shared_tokens, ")) or keep positions (Positions::kept)");
+    detail::require(
+        delta == 0 || rows[j] >= shared_tokens, where, "renumbering from first = ", first,
+        " would turn the key of shared token ", rows[j], " (slot ", plan.slots[static_cast<std::size_t>(j)],
+        ", position ", p[static_cast<std::size_t>(j)], " -> ", first + j,
+        "), which the radix cache holds for other requests: keep the shared prefix (Budget::protect_prefix(",
+        shared_tokens, ")) or keep positions (Positions::kept)");
     Index end = j + 1;
     while (end < n && first + end - p[static_cast<std::size_t>(end)] == delta &&
            plan.slots[static_cast<std::size_t>(end)] == plan.slots[static_cast<std::size_t>(end) - 1] + 1 &&
            rows[end] >= shared_tokens)
       ++end;
-    if (delta != 0)
-      plan.rotations.push_back({plan.slots[static_cast<std::size_t>(j)], end - j, delta});
+    if (delta != 0) plan.rotations.push_back({plan.slots[static_cast<std::size_t>(j)], end - j, delta});
     j = end;
   }
   return plan;
