@@ -141,17 +141,17 @@ struct AdapterCase {
   unsigned seed;
 };
 
-/// Runs fn(policy, case) for every catalogue policy under share = per_model with blocks 1 and `block`, both RoPE
-/// pair layouts and positions renumbered and kept (INFO names the case); returns how many cases ran.
+/// Runs fn(policy, case) for every catalogue policy under `share` with blocks 1 and `block`, both RoPE pair layouts
+/// and positions renumbered and kept (INFO names the case); returns how many cases ran.
 template <class Fn>
-int for_each_adapter_case(Index block, Fn&& fn) {
+int for_each_adapter_case(Index block, Fn&& fn, kvevict::Sharing share = kvevict::Sharing::per_model) {
   int ran = 0;
   for (kvevict::RopeLayout layout : {kvevict::RopeLayout::half, kvevict::RopeLayout::interleaved})
     for (kvevict::adapters::Positions mode :
          {kvevict::adapters::Positions::renumbered, kvevict::adapters::Positions::kept})
       for (Index b : {Index{1}, block}) {
         kvevict::Knobs knobs;
-        knobs.share = kvevict::Sharing::per_model;
+        knobs.share = share;
         knobs.block = b;
         knobs.window = kW;
         kvevict::catalogue::for_each(kvevict::catalogue::entries(), [&](const auto& entry) {
