@@ -86,7 +86,7 @@ struct SeqView {
 };
 
 /// What the request must hold after an adapter's plan: per layer its compacted keys (re-rotated when renumbered
-/// from 0) and values, token-major [kept, Hkv, d], and the kept tokens' positions.
+/// from 0) and values, token-major [kept by the layer's KV head 0, Hkv, d], and layer 0's kept positions.
 struct Expected {
   std::vector<std::vector<float>> k, v;
   std::vector<std::int64_t> pos;
@@ -95,9 +95,9 @@ struct Expected {
 inline Expected expected(SeqView& view, const std::vector<kvevict::Selection>& sels, bool renumbered,
                          const kvevict::Rope& rope) {
   Expected e;
-  const Index n = sels[0].length(0);
   for (Index l = 0; l < kLayers; ++l) {
     const kvevict::Selection& s = sels[sz(l)];
+    const Index n = s.length(0);
     std::vector<float> k = view.k[sz(l)], v = view.v[sz(l)];
     const auto keys = kvevict::HeadsView<float>::heads_major(k.data(), kHkv, view.L, kD);
     const auto values = kvevict::HeadsView<float>::heads_major(v.data(), kHkv, view.L, kD);
@@ -114,16 +114,16 @@ inline Expected expected(SeqView& view, const std::vector<kvevict::Selection>& s
     e.v.push_back(vc);
   }
   const kvevict::Selection::HeadIndices p = sels[0].head_positions(0);
-  for (Index j = 0; j < n; ++j) e.pos.push_back(renumbered ? j : p[j]);
+  for (Index j = 0; j < p.size(); ++j) e.pos.push_back(renumbered ? j : p[j]);
   return e;
 }
 
-/// "" when the request's `n` tokens now hold `e` (key(l, j, h), value(l, j, h): new token j's rows): values
-/// exactly, keys within float rounding of the rotation; else what differs.
+/// "" when the request, which reports `n` tokens, now holds `e` (key(l, j, h), value(l, j, h): layer l's token j's
+/// rows): values exactly, keys within float rounding of the rotation; else what differs.
 inline std::string holds(Index n, const RowOf& key, const RowOf& value, const Expected& e) {
   if (n != static_cast<Index>(e.pos.size())) return "holds " + std::to_string(n) + " tokens";
-  for (Index j = 0; j < n; ++j)
-    for (Index l = 0; l < kLayers; ++l)
+  for (Index l = 0; l < kLayers; ++l)
+    for (Index j = 0; j < static_cast<Index>(e.k[sz(l)].size() / sz(kHkv * kD)); ++j)
       for (Index h = 0; h < kHkv; ++h)
         for (Index i = 0; i < kD; ++i) {
           const std::size_t at = (sz(j) * sz(kHkv) + sz(h)) * sz(kD) + sz(i);
