@@ -7,8 +7,10 @@
 #include <kvevict/kvevict.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "support/matchers.hpp"
@@ -215,7 +217,8 @@ TEST_CASE("stream: chunked prefill and capped decoding stay within the budget pl
   }
 }
 
-TEST_CASE("stream: a step shorter than the window, or over the capacity, changes nothing", "[stream][errors]") {
+TEST_CASE("stream: a step shorter than the window is not evicted yet; one over the capacity changes nothing",
+          "[stream][errors]") {
   Rng rng(703);
   const Source s = random_source(rng, 2, 2, 2, 4, 60);
   kvevict::SnapKV::Params p;
@@ -231,9 +234,8 @@ TEST_CASE("stream: a step shorter than the window, or over the capacity, changes
   CHECK(eng.book.over_budget(8));
   CHECK_FALSE(eng.book.layer(0).over_budget(11));
   const std::vector<std::int64_t> before = eng.held(1, 1);
-  REQUIRE_THROWS_MATCHES(eng.evict(snap, 8), kvevict::invalid_argument,
-                         MessageContains("kvevict::SnapKV::evict_over_budget: the step (3 tokens appended since the "
-                                         "last eviction) must be at least the window (4)"));
+  CHECK(eng.evict(snap, 8) == 0);  // not yet: 3 tokens since the last eviction, the window is 4
+  CHECK(eng.book.step() == 3);     // the step goes on
   CHECK(eng.held(1, 1) == before);
   CHECK(eng.book.layer(1).entries() == 2 * 11);
   REQUIRE_THROWS_MATCHES(eng.book.append(30), kvevict::invalid_argument,
@@ -245,6 +247,109 @@ TEST_CASE("stream: a step shorter than the window, or over the capacity, changes
   CHECK(eng.evict(snap, 8) == 2);
   CHECK(eng.book.layer(1).entries() == 16);
   REQUIRE_THROWS_MATCHES(kvevict::LayerBook(0, 4), kvevict::invalid_argument, MessageContains("kv_heads >= 1"));
+}
+
+TEST_CASE("stream: decoding one token at a time evicts every w tokens, within stream_capacity", "[stream]") {
+  Rng rng(704);
+  const int Hkv = 2, w = 3, T = 64;
+  const Source s = random_source(rng, 2, 4, Hkv, 8, T);
+  const Index n = 12;
+  CHECK(kvevict::stream_capacity(n, 1, w) == n + w);
+  CHECK(kvevict::stream_capacity(n, 2, w) == n + 4);  // evicts once the step reaches 4 >= w
+  CHECK(kvevict::stream_capacity(n, 5, w) == n + 5);
+  CHECK(kvevict::stream_capacity(n, 1, 0) == n + 1);
+  REQUIRE_THROWS_MATCHES(kvevict::stream_capacity(n, 0, w), kvevict::invalid_argument,
+                         MessageContains("stream_capacity: needs n >= 1, step >= 1 and window >= 0, got n 12, step 0"));
+  kvevict::catalogue::for_each(kvevict::catalogue::entries(), [&](const auto& e) {
+    INFO(e.name);
+    const auto policy = e.make(window_knob(w));
+    using P = typename std::decay_t<decltype(e)>::policy_type;
+    const Index layers = kvevict::budget_scope<P>() == kvevict::BudgetScope::model ? s.NL : 1;
+    const Index wp = policy.params().window;  // 0: StreamingLLM evicts after every token
+    Engine eng(s, T, w);
+    eng.step(2 * w);  // the prompt
+    Index evictions = 0;
+    while (eng.book.next_position() < T) {
+      eng.step(1);
+      const Index step = eng.book.step();
+      const Index evicted = eng.evict(policy, n);
+      evictions += evicted;
+      CHECK(eng.book.step() < std::max<Index>(wp, 1));  // evicted as soon as the step holds the window
+      if (evicted > 0) CHECK(step >= wp);
+      for (int l = 0; l < s.NL; ++l)
+        CHECK(eng.book.layer(l).entries() <= layers * Hkv * kvevict::stream_capacity(n, 1, wp));
+    }
+    CHECK(evictions >= (T - n - 2 * w) / std::max<Index>(wp, 1));
+  });
+}
+
+TEST_CASE("stream: worked examples, per-token scales and a K-shift carried through eviction", "[stream]") {
+  // docs/algorithms.md#streaming. One layer, Hkv 1, d 4, capacity 16, StreamingLLM (2 sinks, window 0), n 4; the
+  // engine stores a per-token key scale beside its keys and re-rotates the kept keys to 0, 1, ... (a K-shift).
+  kvevict::StreamingLLM::Params p;
+  p.sinks = 2;
+  const kvevict::StreamingLLM policy(p);
+  const Index cap = 16, d = 4;
+  std::vector<float> k(cap * d), v(cap * d), k_scale(cap);
+  const auto keys = kvevict::kv_heads_major<float>(k.data(), 1, cap, d);
+  const auto values = kvevict::kv_heads_major<float>(v.data(), 1, cap, d);
+  const auto scales = kvevict::HeadsView<float>::heads_major(k_scale.data(), 1, cap, 1);
+  const kvevict::Rope rope;  // half pairs over all 4 dimensions: pair 0 is (0, 2), frequency 1
+  kvevict::CacheBook book(1, 1, cap);
+  // Token t's key before RoPE is (t + 1, 0, 1, 0), its scale t + 1: at position a it is stored as
+  // ((t + 1) cos a - sin a, 0, (t + 1) sin a + cos a, 0).
+  const auto rotated = [](double x, double a) {
+    return std::make_pair(x * std::cos(a) - std::sin(a), x * std::sin(a) + std::cos(a));
+  };
+  std::int64_t tokens = 0;
+  const auto write = [&](Index c) {  // the forward pass of c tokens at the book's next positions
+    book.append(c);
+    const Index L = book.layer(0).length(0);
+    for (Index j = L - c; j < L; ++j, ++tokens) {
+      const double x = static_cast<double>(tokens + 1);
+      const auto [k0, k2] = rotated(x, static_cast<double>(book.layer(0).position(0, j)));
+      float* row = k.data() + j * d;
+      row[0] = static_cast<float>(k0), row[1] = 0.f, row[2] = static_cast<float>(k2), row[3] = 0.f;
+      k_scale[static_cast<std::size_t>(j)] = static_cast<float>(x);
+      v[static_cast<std::size_t>(j * d)] = static_cast<float>(x);
+    }
+  };
+  const auto holds = [&](const std::vector<float>& want_scales) {
+    CHECK(std::vector<float>(k_scale.begin(), k_scale.begin() + 4) == want_scales);
+    for (Index j = 0; j < 4; ++j) {
+      CHECK(book.layer(0).position(0, j) == j);
+      const auto [k0, k2] = rotated(k_scale[static_cast<std::size_t>(j)], static_cast<double>(j));
+      CHECK(k[static_cast<std::size_t>(j * d)] == Approx(k0).margin(1e-5));
+      CHECK(k[static_cast<std::size_t>(j * d) + 2] == Approx(k2).margin(1e-5));
+      CHECK(v[static_cast<std::size_t>(j * d)] == k_scale[static_cast<std::size_t>(j)]);
+    }
+  };
+  const auto evict = [&] {
+    return kvevict::evict_over_budget(
+        policy, book, 4,
+        [&](Index) {
+          kvevict::LayerInputs<float> in;
+          in.keys = keys;
+          in.values = values;
+          return in;
+        },
+        [&](Index, const Selection& kept) {
+          book.layer(0).apply(kept, keys, values, scales);  // the scales move with their rows
+          kvevict::rerotate_kept(keys, kept, rope);         // the K-shift: kept row j to position j
+        });
+  };
+  write(7);  // tokens 0..6 at positions 0..6
+  REQUIRE(evict() == 1);
+  book.renumber();  // kept: the sinks (tokens 0, 1) and the newest (5, 6), now at positions 0..3; next at 4
+  CHECK(book.next_position() == 4);
+  holds({1, 2, 6, 7});
+  write(3);  // tokens 7, 8, 9 at positions 4, 5, 6: the book's positions are the keys' own
+  REQUIRE(evict() == 1);
+  book.renumber();
+  CHECK(book.next_position() == 4);
+  holds({1, 2, 9, 10});
+  REQUIRE_THROWS_MATCHES(kvevict::CacheBook(1, 1, 4).renumber(), kvevict::invalid_argument,
+                         MessageContains("renumbers right after a step that evicted every layer"));
 }
 
 TEST_CASE("stream: shared and block layouts stay shared, whole and within budget while the cache grows",

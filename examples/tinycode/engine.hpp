@@ -20,7 +20,8 @@
 /// eviction_inputs(layer) hands them to kvevict together with the layer's keys and values as views over the cache
 /// storage (no copy) and each head's length and positions (a ragged cache after an eviction); evict(layer,
 /// selection) compacts the cache in place. Eviction while the cache grows (chunked prefill, decoding under a cap):
-/// call evict_over_budget(policy, n) after each extend() of c >= window tokens (docs/algorithms.md#streaming).
+/// call evict_over_budget(policy, n) after each extend() (a step shorter than the window is evicted once it holds the
+/// window, docs/algorithms.md#streaming).
 /// The forward pass also adds each softmax row to the attention its entries received (LayerBook::add_attention),
 /// which H2O reads: the prefill's whole causal attention, then every later token's.
 
@@ -261,10 +262,10 @@ class Engine {
     engine_scores_ = std::move(peak);
   }
 
-  /// Ends a step of the stream (the tokens run since the last call, >= window): evicts every layer holding more
-  /// than n rows per KV head on average with `policy` (all layers together for a layer-global one, when the model
-  /// is over), with kvevict::evict_over_budget. Returns how many layers were evicted; adds the policy's time to
-  /// stats->select_ms when given.
+  /// Ends a step of the stream (the tokens run since the last call; not yet while fewer than the window): evicts
+  /// every layer holding more than n rows per KV head on average with `policy` (all layers together for a
+  /// layer-global one, when the model is over), with kvevict::evict_over_budget. Returns how many layers were evicted;
+  /// adds the policy's time to stats->select_ms when given.
   template <class Policy>
   Index evict_over_budget(const Policy& policy, Index n, EvictionStats* stats = nullptr) {
     using clock = std::chrono::steady_clock;

@@ -146,6 +146,16 @@ class LayerBook {
     for (Index h = 0; h < kv_heads_; ++h) lengths_[head(h)] = selection.length(h);
   }
 
+  /// Renumbers every head's entries first, first + 1, ... (an engine that re-rotates its kept keys, as a K-shift
+  /// does: rerotate_kept(keys, selection, rope, first) after apply()), so that the positions stay the keys' own.
+  void renumber(std::int64_t first = 0) {
+    detail::require(first >= 0, "LayerBook::renumber", "first must be >= 0, got ", first);
+    for (Index h = 0; h < kv_heads_; ++h) {
+      std::int64_t* row = positions_.data() + head(h) * static_cast<std::size_t>(capacity_);
+      for (Index j = 0; j < length(h); ++j) row[j] = first + j;
+    }
+  }
+
   /// Empties every head (the capacity is kept) and stops carrying received attention until the next accumulation.
   void clear() {
     std::fill(lengths_.begin(), lengths_.end(), 0);
@@ -194,7 +204,7 @@ class CacheBook {
   Index evicted_layers() const { return static_cast<Index>(std::count(evict_.begin(), evict_.end(), true)); }
   LayerBook& layer(Index l) { return layers_[checked(l)]; }
   const LayerBook& layer(Index l) const { return layers_[checked(l)]; }
-  /// Position of the next token (tokens appended so far, evicted or not).
+  /// Position of the next token (tokens appended so far, evicted or not; after renumber(), first + the longest head).
   std::int64_t next_position() const { return next_position_; }
   /// Tokens appended since the last evict_over_budget() (the current step).
   Index step() const { return step_; }
@@ -226,14 +236,43 @@ class CacheBook {
     next_position_ += n;
     step_ += n;
   }
+  /// Renumbers every layer's entries first, first + 1, ... per KV head (LayerBook::renumber) and moves the next
+  /// position to first + the longest head's entries, where the next token's keys are then computed: a K-shift
+  /// engine, right after an evict_over_budget() that evicted every layer, in whose apply each layer's kept keys were
+  /// re-rotated to those positions (rerotate_kept(keys, selection, rope, first); docs/algorithms.md#streaming).
+  /// Refused after a step that evicted fewer layers (their keys were not re-rotated), and with layers kept whole
+  /// (theirs would run past the next position).
+  void renumber(std::int64_t first = 0) {
+    detail::require(evicted_layers() == layers(), "CacheBook::renumber",
+                    "a model with layers kept whole cannot renumber its positions: theirs would run past the next "
+                    "position (",
+                    layers() - evicted_layers(), " of ", layers(), " layers are kept whole)");
+    detail::require(step_ == 0 && last_evicted_ == layers(), "CacheBook::renumber",
+                    "renumbers right after a step that evicted every layer (their kept keys re-rotated), but the "
+                    "last step evicted ",
+                    last_evicted_, " of ", layers(), " layers", step_ > 0 ? " and tokens were appended since" : "",
+                    " (select with share = per_model or a layer-global policy, which evict all layers at once)");
+    detail::require(first >= 0, "CacheBook::renumber", "first must be >= 0, got ", first);
+    Index longest = 0;
+    for (LayerBook& l : layers_) {
+      l.renumber(first);
+      for (Index h = 0; h < l.kv_heads(); ++h) longest = std::max(longest, l.length(h));
+    }
+    next_position_ = first + longest;
+  }
   /// Forgets every token.
   void clear() {
     for (LayerBook& l : layers_) l.clear();
     next_position_ = 0;
     step_ = 0;
   }
-  /// Marks the end of a step (evict_over_budget() calls it).
-  void end_step() { step_ = 0; }
+  /// Marks the end of a step in which `evicted` layers were evicted (evict_over_budget() calls it).
+  void end_step(Index evicted = 0) {
+    step_ = 0;
+    last_evicted_ = evicted;
+  }
+  /// Layers evicted by the last step that ended (0 before any).
+  Index last_evicted() const { return last_evicted_; }
 
  private:
   std::size_t checked(Index l) const {
@@ -244,7 +283,7 @@ class CacheBook {
   std::vector<LayerBook> layers_;
   std::vector<bool> evict_;  // [layers] false: kept whole
   std::int64_t next_position_ = 0;
-  Index step_ = 0;
+  Index step_ = 0, last_evicted_ = 0;
 };
 
 }  // namespace KVEVICT_ABI_NAMESPACE

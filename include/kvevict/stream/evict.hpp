@@ -2,6 +2,7 @@
 /// The rule of docs/algorithms.md#streaming, "evict now": after each step, every layer holding more than its budget
 /// is evicted to it (a layer-global policy: all layers, when the model holds more than its budget).
 
+#include <algorithm>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -30,15 +31,29 @@ bool selects_model(const P& policy) {
 }
 }  // namespace detail
 
+/// The most entries per KV head on average a layer holds while the cache grows in steps of `step` tokens under a
+/// budget of `n` tokens per KV head (n + p with a protected prefix kept on top), for a policy whose window is
+/// `window` (docs/algorithms.md#streaming): n + step * ceil(window / step), n + step when step >= window (n + w when
+/// decoding one token at a time). A layer-global policy bounds the model's sum the same way.
+inline Index stream_capacity(Index n, Index step, Index window) {
+  detail::require(n >= 1 && step >= 1 && window >= 0, "stream_capacity",
+                  "needs n >= 1, step >= 1 and window >= 0, got n ", n, ", step ", step, ", window ", window);
+  return n + step * std::max<Index>(1, (window + step - 1) / step);
+}
+
 /// Ends the current step of `book` (the tokens appended since the last call) under a budget of `n` tokens per KV
 /// head on average: every layer holding more than Hkv * n entries is evicted to Budget::tokens(n) with `policy`
 /// (for a layer-global policy or share = per_model: every layer, when the model holds more than the sum of
-/// Hkv * n). Returns how many layers were evicted.
+/// Hkv * n). Returns how many layers were evicted. Not yet: while a layer is over budget but the step holds fewer
+/// tokens than the policy's window, nothing is evicted and the step goes on (0 is returned, book.step() keeps
+/// counting): an engine may call it after every decoded token, and evicts every w tokens
+/// (stream_capacity(n, 1, w) entries per head at most).
 ///   inputs_of(l) -> LayerInputs of layer l: keys and values viewing the engine's capacity rows, the step's last w
 ///                   queries (or attention rows over each head's entries), w_o; the book adds lengths and positions.
 ///   apply(l, selection) compacts the engine's storage, normally book.layer(l).apply(selection, keys, values).
-/// Every selection is made before any is applied: on an error (kvevict::invalid_argument, e.g. a step shorter than
-/// the window) nothing is evicted. S is the arithmetic type.
+/// Every selection is made before any is applied: on an error (kvevict::invalid_argument, e.g. queries that are not
+/// the window's) nothing is evicted. S is the arithmetic type. The engine keeps the queries of the step's tokens
+/// until the step holds w of them (the window is the step's last w queries).
 template <class S = float, class P, class Inputs, class Apply>
 Index evict_over_budget(const P& policy, CacheBook& book, Index n, Inputs&& inputs_of, Apply&& apply) {
   return evict_over_budget<S>(policy, book, Budget::tokens(n), std::forward<Inputs>(inputs_of),
@@ -64,9 +79,7 @@ Index evict_over_budget(const P& policy, CacheBook& book, const Budget& budget, 
     return 0;
   }
   const Index window = policy.params().window;  // 0 for a positional policy (StreamingLLM)
-  detail::require(book.step() >= window, where.c_str(), "the step (", book.step(),
-                  " tokens appended since the last eviction) must be at least the window (", window,
-                  "): the window is the step's last w queries");
+  if (book.step() < window) return 0;           // not yet: the window is the step's last w queries
   std::vector<Selection> selections;
   if (model_wide) {
     auto plan = policy.template plan<S>(budget, book.evicted_layers());  // every evicted layer is due, in order
@@ -77,7 +90,7 @@ Index evict_over_budget(const P& policy, CacheBook& book, const Budget& budget, 
       selections.push_back(policy.template select<S>(book.layer(l).describe(inputs_of(l)), budget, l));
   }
   for (std::size_t i = 0; i < due.size(); ++i) apply(due[i], selections[i]);
-  book.end_step();
+  book.end_step(static_cast<Index>(due.size()));
   return static_cast<Index>(due.size());
 }
 
