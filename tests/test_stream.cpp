@@ -217,7 +217,7 @@ TEST_CASE("stream: chunked prefill and capped decoding stay within the budget pl
   }
 }
 
-TEST_CASE("stream: a step shorter than the window is not evicted yet; one over the capacity changes nothing",
+TEST_CASE("stream: a step shorter than the window is not evicted yet, one over the capacity changes nothing",
           "[stream][errors]") {
   Rng rng(703);
   const Source s = random_source(rng, 2, 2, 2, 4, 60);
