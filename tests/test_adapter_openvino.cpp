@@ -98,15 +98,15 @@ struct Sequence {
 /// Whether every layer keeps the same count and every block of `sels` is kept whole or not at all (the last,
 /// partial one kept): what OpenVINO GenAI can hold.
 std::string fits(const std::vector<Selection>& sels) {
-  for (const Selection& s : sels) {
-    if (s.length(0) != sels[0].length(0)) return "counts";
+  for (const Selection& s : sels) {  // in the adapter's order: a block cut, the last block evicted, the count
     std::vector<Index> kept(sz((s.context_length() + kBlock - 1) / kBlock), 0);
     for (std::int64_t r : s.head(0)) ++kept[static_cast<std::size_t>(r / kBlock)];
     for (std::size_t u = 0; u < kept.size(); ++u) {
       const Index size = std::min(kBlock, s.context_length() - static_cast<Index>(u) * kBlock);
       if (kept[u] != 0 && kept[u] != size) return "blocks";
     }
-    if (s.context_length() % kBlock != 0 && kept.back() == 0) return "blocks";
+    if (s.context_length() % kBlock != 0 && kept.back() == 0) return "last";
+    if (s.length(0) != sels[0].length(0)) return "counts";
   }
   return "";
 }
@@ -124,6 +124,10 @@ TEST_CASE("OpenVINO plan: worked numbers", "[adapters][openvino]") {
   CHECK((plan.rotations[1][0].logical_block_idx == 0 && plan.rotations[1][0].rotation_delta == 4));
   CHECK((plan.rotations[1][1].logical_block_idx == 1 && plan.rotations[1][1].rotation_delta == 4));
   CHECK((plan.evicted_tokens == 4 && plan.num_tokens == 6));
+  // Every block of 8 tokens evicted (no partial block to keep).
+  const OpenVinoPlan all = kvevict::adapters::openvino_plan({hand(8, {})}, kBlock);
+  CHECK((all.evicted_blocks == std::vector<std::set<std::size_t>>{{0, 1}} && all.evicted_tokens == 8));
+  CHECK((all.rotations[0].empty() && all.num_tokens == 0));
   const OpenVinoPlan kept = kvevict::adapters::openvino_plan(sels, kBlock, Positions::kept);
   CHECK((kept.rotations[0].empty() && kept.rotations[1].empty()));
 }
@@ -149,9 +153,10 @@ TEST_CASE("OpenVINO plan: the simulated per-layer block tables hold what compact
             ++refused;
             return;
           }
-          if (why == "blocks") {
+          if (why == "blocks" || why == "last") {
             REQUIRE_THROWS_MATCHES(kvevict::adapters::openvino_plan(sels, kBlock, tc.mode), kvevict::invalid_argument,
-                                   MessageContains("OpenVINO GenAI evicts whole blocks of 4 tokens"));
+                                   MessageContains(why == "blocks" ? "OpenVINO GenAI evicts whole blocks of 4 tokens"
+                                                                   : "evicts its last, partial block"));
             ++refused;
             return;
           }
@@ -159,7 +164,9 @@ TEST_CASE("OpenVINO plan: the simulated per-layer block tables hold what compact
           const OpenVinoPlan plan = kvevict::adapters::openvino_plan(sels, kBlock, tc.mode);
           seq.apply(plan, tc.rope);
           seq.pos = want.pos;
-          CHECK(holds(seq.length(), seq.key(), seq.value(), want) == "");
+          for (const LayerCache& c : seq.layers)
+            REQUIRE(static_cast<Index>(c.table.size()) == (plan.num_tokens + kBlock - 1) / kBlock);
+          CHECK(holds(plan.num_tokens, seq.key(), seq.value(), want) == "");
           CHECK(plan.evicted_tokens + static_cast<std::size_t>(plan.num_tokens) == static_cast<std::size_t>(view.L));
           for (const auto& evicted : plan.evicted_blocks) CHECK(evicted.count(0) == 0);  // the protected prefix
           const std::int64_t next = seq.pos.back() + 1;

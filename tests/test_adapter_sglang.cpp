@@ -126,6 +126,10 @@ TEST_CASE("SGLang plan: worked numbers", "[adapters][sglang]") {
   CHECK(shared.freed_slots == std::vector<std::int64_t>{42, 43, 19});
   CHECK(shared.rotations.empty());
   CHECK(shared.next_position == 8);
+
+  // Nothing kept: every slot freed.
+  const SGLangPlan none = kvevict::adapters::sglang_plan({hand(8, {})}, slots);
+  CHECK((none.slots.empty() && none.freed_slots == slots && none.num_tokens == 0 && none.next_position == 0));
 }
 
 TEST_CASE("SGLang plan: the simulated token pool holds what compact and rerotate_kept give, for every catalogue policy",
@@ -175,6 +179,8 @@ TEST_CASE("SGLang plan: refuses a selection or a map its slots cannot hold", "[a
                          MessageContains("slots holds 3 entries, but the request has 8 tokens"));
   REQUIRE_THROWS_MATCHES(kvevict::adapters::sglang_plan({hand(4, {0, 3})}, {1, -2, 3, 4}), kvevict::invalid_argument,
                          MessageContains("slots[1] must be >= 0, got -2"));
+  REQUIRE_THROWS_MATCHES(kvevict::adapters::sglang_plan({hand(4, {0, 3})}, {7, 2, 7, 4}), kvevict::invalid_argument,
+                         MessageContains("slot 7 appears twice in slots"));
   REQUIRE_THROWS_MATCHES(kvevict::adapters::sglang_plan({hand(8, {0, 2, 7})}, slots, Positions::renumbered, 0, 4),
                          kvevict::invalid_argument,
                          MessageContains("would turn the key of shared token 2 (slot 42, position 2 -> 1)"));

@@ -9,6 +9,7 @@
 #include <kvevict/adapters/tensorrt_llm.hpp>
 #include <kvevict/kvevict.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -76,6 +77,10 @@ TEST_CASE("TensorRT-LLM sparse KV: worked numbers", "[adapters][tensorrt-llm]") 
   CHECK(kv.offsets == std::vector<std::int32_t>{0, 3, 5});
   CHECK((kv.kv_heads == 2 && kv.total == 5));
   CHECK(kv.indices == std::vector<std::int32_t>{0, 2, 5, 1, 3, /**/ 1, 2, 4, 0, 3});
+  // A request that keeps nothing: an empty range.
+  const TensorRtLlmSparseKv none = kvevict::adapters::tensorrt_llm_sparse_kv({hand(4, {}, {}, 2), hand(3, {2}, {}, 2)});
+  CHECK(none.offsets == std::vector<std::int32_t>{0, 0, 1});
+  CHECK(none.indices == std::vector<std::int32_t>{2, 2});
 }
 
 TEST_CASE("TensorRT-LLM sparse KV: the gathered caches hold what compact gives, for every catalogue policy",
@@ -93,30 +98,39 @@ TEST_CASE("TensorRT-LLM sparse KV: the gathered caches hold what compact gives, 
       std::vector<std::vector<Selection>> sels;  // [request][layer]
       std::vector<Expected> want;                // [request]
       for (Index L : {Index{37}, Index{29}, Index{44}}) batch.emplace_back(L, rng);
-      bool equal_counts = true;
+      std::vector<char> equal_counts(sz(kLayers), 1);  // [layer]: every request's KV heads keep as many
       for (RequestCache& r : batch) {
         SeqView view(r.pos, r.key(), r.value(), rng);
         sels.push_back(kvevict::select_layers(policy, view.layers, kvevict::Budget::tokens(12)));
-        for (const Selection& s : sels.back())
-          for (Index h = 1; h < s.heads(); ++h) equal_counts = equal_counts && s.length(h) == s.length(0);
+        for (Index l = 0; l < kLayers; ++l) {
+          const Selection& s = sels.back()[sz(l)];
+          for (Index h = 1; h < s.heads(); ++h)
+            if (s.length(h) != s.length(0)) equal_counts[sz(l)] = 0;
+        }
         want.push_back(expected(view, sels.back(), false, kvevict::Rope{}));
       }
+      std::vector<std::int32_t> kept_of_layer0;  // each request's kept tokens per KV head in layer 0, from offsets
       for (Index l = 0; l < kLayers; ++l) {
         std::vector<Selection> layer;
         for (const auto& per_request : sels) layer.push_back(per_request[sz(l)]);
-        if (!equal_counts) {
+        if (!equal_counts[sz(l)]) {
           REQUIRE_THROWS_MATCHES(kvevict::adapters::tensorrt_llm_sparse_kv(layer), kvevict::invalid_argument,
                                  MessageContains("TensorRT-LLM keeps as many tokens in every KV head of a request"));
           continue;
         }
-        gather(batch, l, kvevict::adapters::tensorrt_llm_sparse_kv(layer));
+        const TensorRtLlmSparseKv kv = kvevict::adapters::tensorrt_llm_sparse_kv(layer);
+        REQUIRE(kv.offsets.size() == batch.size() + 1);
+        REQUIRE(kv.indices.size() == sz(kv.kv_heads * kv.total));
+        if (l == 0)
+          for (std::size_t r = 0; r < batch.size(); ++r) kept_of_layer0.push_back(kv.offsets[r + 1] - kv.offsets[r]);
+        gather(batch, l, kv);
       }
-      if (!equal_counts) {
-        ++refused;
+      if (std::count(equal_counts.begin(), equal_counts.end(), 0) > 0) {
+        ++refused;  // (the layers that fit were gathered, but the request is only whole when every layer is)
         return;
       }
       for (std::size_t r = 0; r < batch.size(); ++r)
-        CHECK(holds(sels[r][0].length(0), batch[r].key(), batch[r].value(), want[r]) == "");
+        CHECK(holds(kept_of_layer0[r], batch[r].key(), batch[r].value(), want[r]) == "");
       ++golden;
     });
   }

@@ -144,6 +144,13 @@ TEST_CASE("vLLM plan: worked numbers", "[adapters][vllm]") {
   CHECK((moved.rotations[1].slot == 8 && moved.rotations[1].count == 1 && moved.rotations[1].delta == -5));
   CHECK(moved.next_position == 5);
 
+  // Nothing kept: every block freed; no tokens: an empty table.
+  const VllmPlan none = kvevict::adapters::vllm_plan({hand(10, {})}, table, kBlock, Positions::kept, 3);
+  CHECK((none.block_table.empty() && none.freed_blocks == table && none.copies.empty()));
+  CHECK((none.num_tokens == 0 && none.next_position == 3));
+  const VllmPlan empty = kvevict::adapters::vllm_plan({hand(0, {})}, {}, kBlock);
+  CHECK((empty.block_table.empty() && empty.freed_blocks.empty() && empty.num_tokens == 0));
+
   const VllmPlan kept = kvevict::adapters::vllm_plan({hand(10, {0, 1, 5, 6, 9})}, table, kBlock, Positions::kept);
   CHECK(kept.rotations.empty());
   CHECK(kept.copies.size() == 2);
@@ -176,7 +183,8 @@ TEST_CASE("vLLM plan: the simulated paged cache holds what compact and rerotate_
       const VllmPlan plan = kvevict::adapters::vllm_plan(sels, a.table, kBlock, mode, 0, kShared);
       apply(pool, a, plan, rope);
       a.pos = want.pos;
-      CHECK(holds(a.length(), a.key(pool), a.value(pool), want) == "");
+      REQUIRE(static_cast<Index>(plan.block_table.size()) == (plan.num_tokens + kBlock - 1) / kBlock);
+      CHECK(holds(plan.num_tokens, a.key(pool), a.value(pool), want) == "");
       CHECK(plan.num_tokens == sels[0].length(0));
       if (block == kBlock) CHECK((plan.table_only && plan.copies.empty()));
       // The new and the freed blocks split the old table; the shared blocks stay first, referenced by both.

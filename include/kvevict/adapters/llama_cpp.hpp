@@ -7,6 +7,9 @@
 ///                                                   re-rotated by each cell's accumulated delta at the next decode
 ///                                                   (the K-shift)
 /// so only a selection with one set for every layer and KV head (share = per_model) fits; any other is refused.
+/// A cell holds one position for every sequence that uses it (llama_memory_seq_cp shares a prefix's cells), so
+/// shifting one sequence moves the others' too: renumber a sequence that shares cells only where its shared prefix
+/// is kept whole and stays in place (Budget::protect_prefix with first = 0), or keep positions.
 ///
 ///   const auto plan = kvevict::adapters::llama_cpp_plan(kvevict::select_layers(policy, layers, budget));
 ///   for (const auto& r : plan.removes) llama_memory_seq_rm(mem, seq, r.p0, r.p1);
@@ -54,7 +57,7 @@ inline LlamaCppPlan llama_cpp_plan(const std::vector<Selection>& layers, Positio
   const Selection::HeadIndices rows = sel.head(0);
   const std::int64_t max_pos = std::numeric_limits<std::int32_t>::max();
   const auto n = static_cast<std::int64_t>(p.size());
-  detail::require(first >= 0 && first + n <= max_pos, where, "first (", first,
+  detail::require(first >= 0 && first <= max_pos - n, where, "first (", first,
                   ") must be >= 0 and leave room for the kept cells below INT32_MAX (llama_pos)");
   detail::require(p.empty() || (p.front() >= 0 && p.back() < max_pos), where,
                   "positions must be in [0, INT32_MAX) (llama_pos), got ", p.empty() ? 0 : p.front(), " .. ",

@@ -51,6 +51,9 @@ inline const Selection& require_shared_set(const std::vector<Selection>& layers,
   require(!layers.empty(), where, "needs the selections of the sequence's layers, got none");
   const char* sharing = across_layers ? "per_model" : "per_layer";
   for (std::size_t l = 0; l < layers.size(); ++l) {
+    require(layers[l].context_length() == layers[0].context_length(), where, "layer ", l, " holds ",
+            layers[l].context_length(), " entries, but layer 0 holds ", layers[0].context_length(),
+            " (one sequence has one length in every layer)");
     require_one_set_per_layer(layers[l], l, where, sharing);
     if (across_layers && l > 0)
       require(same_set(layers[l], 0, layers[0], 0), where,

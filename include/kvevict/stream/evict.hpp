@@ -34,7 +34,8 @@ bool selects_model(const P& policy) {
 /// The most entries per KV head on average a layer holds while the cache grows in steps of `step` tokens under a
 /// budget of `n` tokens per KV head (n + p with a protected prefix kept on top), for a policy whose window is
 /// `window` (docs/algorithms.md#streaming): n + step * ceil(window / step), n + step when step >= window (n + w when
-/// decoding one token at a time). A layer-global policy bounds the model's sum the same way.
+/// decoding one token at a time). An average over the layer's KV heads (a layer-global policy: the model's); one
+/// head of a head-adaptive or layer-global allocation can hold more.
 inline Index stream_capacity(Index n, Index step, Index window) {
   detail::require(n >= 1 && step >= 1 && window >= 0, "stream_capacity",
                   "needs n >= 1, step >= 1 and window >= 0, got n ", n, ", step ", step, ", window ", window);
@@ -47,7 +48,8 @@ inline Index stream_capacity(Index n, Index step, Index window) {
 /// Hkv * n). Returns how many layers were evicted. Not yet: while a layer is over budget but the step holds fewer
 /// tokens than the policy's window, nothing is evicted and the step goes on (0 is returned, book.step() keeps
 /// counting): an engine may call it after every decoded token, and evicts every w tokens
-/// (stream_capacity(n, 1, w) entries per head at most).
+/// (stream_capacity(n, 1, w) entries per KV head on average at most; one head of a head-adaptive or layer-global
+/// allocation can hold more, so size the book's capacity for the fullest head).
 ///   inputs_of(l) -> LayerInputs of layer l: keys and values viewing the engine's capacity rows, the step's last w
 ///                   queries (or attention rows over each head's entries), w_o; the book adds lengths and positions.
 ///   apply(l, selection) compacts the engine's storage, normally book.layer(l).apply(selection, keys, values).
