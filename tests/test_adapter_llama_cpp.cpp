@@ -196,8 +196,9 @@ TEST_CASE("llama.cpp plan: the simulated cache holds what compact and rerotate_k
       SeqView view(cache.positions(0), cache.key(0), cache.value(0), rng);
       const std::vector<Selection> sels =
           kvevict::select_layers(policy, view.layers, kvevict::Budget::tokens(16).protect_prefix(4));
-      const Expected want = expected(view, sels, mode == Positions::renumbered, rope);
-      const LlamaCppPlan plan = kvevict::adapters::llama_cpp_plan(sels, mode);
+      const std::int64_t first = round == 0 ? 0 : 3;  // round 1 renumbers from 3: the prefix's cells move up
+      const Expected want = expected(view, sels, mode == Positions::renumbered, rope, first);
+      const LlamaCppPlan plan = kvevict::adapters::llama_cpp_plan(sels, mode, first);
       for (const auto& r : plan.removes) cache.seq_rm(0, r.p0, r.p1);
       for (const auto& s : plan.shifts) cache.seq_add(0, s.p0, s.p1, s.delta);
       cache.k_shift(rope.layout, rope.theta);
@@ -210,7 +211,7 @@ TEST_CASE("llama.cpp plan: the simulated cache holds what compact and rerotate_k
       CHECK(cache.of(1) == other);
       CHECK(rows_of_other() == other_k);
       next = plan.next_position;
-      CHECK(next == (mode == Positions::renumbered ? plan.kept : want.pos.back() + 1));
+      CHECK(next == (mode == Positions::renumbered ? first + plan.kept : want.pos.back() + 1));
       for (std::int32_t p = next; p < next + 12; ++p) cache.add(0, p, rng);
     }
   });

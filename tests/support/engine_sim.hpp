@@ -86,14 +86,14 @@ struct SeqView {
 };
 
 /// What the request must hold after an adapter's plan: per layer its compacted keys (re-rotated when renumbered
-/// from 0) and values, token-major [kept by the layer's KV head 0, Hkv, d], and layer 0's kept positions.
+/// from first) and values, token-major [kept by the layer's KV head 0, Hkv, d], and layer 0's kept positions.
 struct Expected {
   std::vector<std::vector<float>> k, v;
   std::vector<std::int64_t> pos;
 };
 
 inline Expected expected(SeqView& view, const std::vector<kvevict::Selection>& sels, bool renumbered,
-                         const kvevict::Rope& rope) {
+                         const kvevict::Rope& rope, std::int64_t first = 0) {
   Expected e;
   for (Index l = 0; l < kLayers; ++l) {
     const kvevict::Selection& s = sels[sz(l)];
@@ -103,7 +103,7 @@ inline Expected expected(SeqView& view, const std::vector<kvevict::Selection>& s
     const auto values = kvevict::HeadsView<float>::heads_major(v.data(), kHkv, view.L, kD);
     s.compact(keys, keys);
     s.compact(values, values);
-    if (renumbered) kvevict::rerotate_kept(keys, s, rope);
+    if (renumbered) kvevict::rerotate_kept(keys, s, rope, first);
     std::vector<float> kc, vc;
     for (Index j = 0; j < n; ++j)
       for (Index h = 0; h < kHkv; ++h) {
@@ -114,7 +114,7 @@ inline Expected expected(SeqView& view, const std::vector<kvevict::Selection>& s
     e.v.push_back(vc);
   }
   const kvevict::Selection::HeadIndices p = sels[0].head_positions(0);
-  for (Index j = 0; j < p.size(); ++j) e.pos.push_back(renumbered ? j : p[j]);
+  for (Index j = 0; j < p.size(); ++j) e.pos.push_back(renumbered ? first + j : p[j]);
   return e;
 }
 
