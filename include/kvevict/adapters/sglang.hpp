@@ -9,7 +9,6 @@
 ///   req_to_token[req, :plan.num_tokens] = plan.slots; token_to_kv_pool_allocator.free(plan.freed_slots)
 ///   for (const auto& r : plan.rotations) rotate the keys of slots [r.slot, r.slot + r.count) by r.delta positions
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -54,10 +53,8 @@ inline SGLangPlan sglang_plan(const std::vector<Selection>& layers, const std::v
                   " entries, but the request has ", L, " tokens (req_to_token[req, :L])");
   for (std::size_t i = 0; i < slots.size(); ++i)
     detail::require(slots[i] >= 0, where, "slots[", i, "] must be >= 0, got ", slots[i]);
-  std::vector<std::int64_t> sorted = slots;
-  std::sort(sorted.begin(), sorted.end());
-  const auto twice = std::adjacent_find(sorted.begin(), sorted.end());
-  detail::require(twice == sorted.end(), where, "slot ", twice == sorted.end() ? 0 : *twice,
+  const std::size_t repeat = detail::first_repeat(slots).second;
+  detail::require(repeat == slots.size(), where, "slot ", repeat < slots.size() ? slots[repeat] : 0,
                   " appears twice in slots (each token has its own slot)");
   detail::require(shared_tokens >= 0 && shared_tokens <= L, where, "shared_tokens must be in [0, ", L, "], got ",
                   shared_tokens);

@@ -5,6 +5,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "kvevict/core/error.hpp"
@@ -61,6 +63,18 @@ inline const Selection& require_shared_set(const std::vector<Selection>& layers,
               " keeps other entries than layer 0 (select with share = per_model)");
   }
   return layers.front();
+}
+
+/// The first repeat in `ids` (an engine's block or slot ids): {i, j} with i < j, ids[i] == ids[j] and j the
+/// smallest such (i the first index of that id); {n, n} when every id is distinct. O(n log n).
+inline std::pair<std::size_t, std::size_t> first_repeat(const std::vector<std::int64_t>& ids) {
+  std::unordered_map<std::int64_t, std::size_t> seen;
+  seen.reserve(ids.size());
+  for (std::size_t j = 0; j < ids.size(); ++j) {
+    const auto [at, inserted] = seen.emplace(ids[j], j);
+    if (!inserted) return {at->second, j};
+  }
+  return {ids.size(), ids.size()};
 }
 
 /// Head 0's kept positions of `sel`, checked ascending and distinct (what an engine that addresses entries by

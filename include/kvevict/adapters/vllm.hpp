@@ -11,6 +11,7 @@
 ///   for (const auto& r : plan.rotations) rotate the keys of slots [r.slot, r.slot + r.count) by r.delta positions
 ///   request.block_table = plan.block_table; release plan.freed_blocks; request length = plan.num_tokens
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -69,12 +70,11 @@ inline VllmPlan vllm_plan(const std::vector<Selection>& layers, const std::vecto
   const Index blocks = (L + B - 1) / B;
   detail::require(static_cast<Index>(block_table.size()) == blocks, where, "block_table holds ", block_table.size(),
                   " blocks, but the request's ", L, " tokens in blocks of ", B, " need ", blocks);
-  for (std::size_t i = 0; i < block_table.size(); ++i) {
+  for (std::size_t i = 0; i < block_table.size(); ++i)
     detail::require(block_table[i] >= 0, where, "block_table[", i, "] must be >= 0, got ", block_table[i]);
-    for (std::size_t j = 0; j < i; ++j)
-      detail::require(block_table[j] != block_table[i], where, "block_table[", j, "] and [", i,
-                      "] are the same block (", block_table[i], ")");
-  }
+  const auto [first_of, repeat] = detail::first_repeat(block_table);
+  detail::require(repeat == block_table.size(), where, "block_table[", first_of, "] and [", repeat,
+                  "] are the same block (", repeat < block_table.size() ? block_table[repeat] : 0, ")");
   detail::require(shared_blocks >= 0 && shared_blocks <= blocks, where, "shared_blocks must be in [0, ", blocks,
                   "], got ", shared_blocks);
   const Index n = rows.size();
@@ -96,7 +96,6 @@ inline VllmPlan vllm_plan(const std::vector<Selection>& layers, const std::vecto
   plan.num_tokens = n;
   plan.next_position = positions == Positions::renumbered ? first + n : n == 0 ? first : p.back() + 1;
   const Index kept_blocks = (n + B - 1) / B;
-  std::vector<std::int64_t> old_of_new;  // for new token j: its old row
   // Whole blocks: kept row j's group (its old block) starts at offset 0 and runs on without a gap; every group but
   // the last fills its block.
   bool whole = true;
