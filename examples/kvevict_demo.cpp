@@ -170,6 +170,7 @@ struct Options {
   Index block = 1;
   kvevict::Reduce reduce = kvevict::Reduce::max;
   bool renumber = false;
+  Index pages = 0;  // --pages B: the engine's cache in a page pool (vLLM), 0: slabs
   unsigned threads = std::max(1u, std::thread::hardware_concurrency());
 };
 
@@ -178,7 +179,7 @@ void usage(std::FILE* out) {
                "usage: kvevict-demo [--docs N] [--passkeys M] [--keep R[,R...]] [--policies NAME[,NAME...]]\n"
                "                    [--json FILE] [--svg FILE] [--replot FILE] [--check] [--ablations]\n"
                "                    [--model DIR] [--threads N] [--stepwise] [--mode M] [--chunk C]\n"
-               "                    [--share S] [--block B] [--reduce R] [--renumber]\n"
+               "                    [--share S] [--block B] [--reduce R] [--renumber] [--pages B]\n"
                "  --docs N        continuation loss on the first N of the 64 eval docs (default %d)\n"
                "  --passkeys M    passkey retrieval on the first M of the 192 records (default %d)\n"
                "  --keep LIST     keep ratios (default 0.2,0.1,0.05): n_kept = floor(keep * context length)\n"
@@ -206,6 +207,9 @@ void usage(std::FILE* out) {
                "  --reduce R      max (default) or mean: how shared heads' and a block's scores become one\n"
                "  --renumber      after each eviction, re-rotate the kept keys to contiguous RoPE positions and\n"
                "                  continue from each head's length (default: keep the original positions)\n"
+               "  --pages B       the engine keeps its cache in a page pool of B-token pages with one block table,\n"
+               "                  read in place by kvevict, each eviction applying adapters::vllm_plan (as vLLM;\n"
+               "                  needs --share model; positions kept)\n"
                "  --docs 64 --passkeys 192 is the full protocol of MODEL.md.\n");
 }
 
@@ -282,6 +286,9 @@ Options parse(int argc, char** argv) {
       o.reduce = v == "max" ? kvevict::Reduce::max : kvevict::Reduce::mean;
     } else if (a == "--renumber") {
       o.renumber = true;
+    } else if (a == "--pages") {
+      o.pages = integer();
+      if (o.pages < 1) throw std::invalid_argument("--pages must be >= 1");
     } else if (a == "--mode") {
       o.mode = demo::parse_mode(value());
     } else if (a == "--chunk") {
@@ -302,6 +309,10 @@ Options parse(int argc, char** argv) {
       throw std::invalid_argument("unknown policy '" + name + "' (see --help)");
   }
   for (double k : o.keeps) kvevict::Budget::keep_ratio(k);  // validates
+  if (o.pages > 0 && (o.share != kvevict::Sharing::per_model || o.renumber))
+    throw std::invalid_argument(
+        "--pages needs --share model (one block table for the model) and keeps positions "
+        "(no --renumber)");
   layout_knobs().share = o.share;
   layout_knobs().block = o.block;
   layout_knobs().reduce = o.reduce;
@@ -434,7 +445,7 @@ Index stream_budget(const RunConfig& run, std::size_t context) {
 /// logits of `context` followed by `after`.
 Matrix run_streaming(const tinycode::Model& model, const Options& opt, const RunConfig& run,
                      const tinycode::eval::Tokens& context, const tinycode::eval::Tokens& after, Outcome& out) {
-  Engine engine(model);
+  Engine engine(model, 32, 0, opt.pages);
   engine.renumber_positions(opt.renumber);
   const Index n = stream_budget(run, context.size());
   Matrix logits(static_cast<Index>(context.size() + after.size()), model.config.vocab);
@@ -484,7 +495,7 @@ DocResult run_doc(const tinycode::Model& model, const tinycode::eval::Tokens& do
     return r;
   }
   const bool stepwise = opt.stepwise;
-  Engine prefilled(model);
+  Engine prefilled(model, 32, 0, opt.pages);
   const auto t0 = clock_type::now();
   const Matrix context_logits = prefilled.extend(task.context);  // full causal attention over 1536 bytes
   r.prefill_ms = ms_since(t0);
@@ -513,7 +524,7 @@ std::vector<char> run_passkey(const tinycode::Model& model, const tinycode::eval
     return solved;
   }
   const bool stepwise = opt.stepwise;
-  Engine prefilled(model);
+  Engine prefilled(model, 32, 0, opt.pages);
   prefilled.extend(task.context);
   score_once(prefilled, runs);
   const auto after = task.after_inputs();
@@ -593,9 +604,10 @@ int main(int argc, char** argv) {
         for (double k : opt.keeps) runs.push_back({&p, k});
     }
 
-    std::printf("kvevict-demo: tinycode (%s), %zu (policy, keep) configurations, %u threads, mode %s, %s\n",
-                opt.model.string().c_str(), runs.size(), opt.threads, demo::describe_mode(opt.mode, opt.chunk).c_str(),
-                demo::describe_layout(opt.share, opt.block, opt.reduce, opt.renumber).c_str());
+    std::printf(
+        "kvevict-demo: tinycode (%s), %zu (policy, keep) configurations, %u threads, mode %s, %s\n",
+        opt.model.string().c_str(), runs.size(), opt.threads, demo::describe_mode(opt.mode, opt.chunk).c_str(),
+        demo::describe_layout(opt.share, opt.block, opt.reduce, opt.renumber, static_cast<long>(opt.pages)).c_str());
     std::printf("continuation loss: docs 0..%zu (%zu of %zu; context 1536 bytes, loss over bytes 1536..2047)\n",
                 n_docs ? n_docs - 1 : 0, n_docs, docs.size());
     std::printf("passkey retrieval: records 0..%zu (%zu of %zu; context = the ~1.8 KB before the question)%s\n",
@@ -632,6 +644,7 @@ int main(int argc, char** argv) {
       r.block = static_cast<long>(opt.block);
       r.reduce = opt.reduce;
       r.renumber = opt.renumber;
+      r.pages = static_cast<long>(opt.pages);
       r.keep = runs[c].keep;
       r.n_kept = static_cast<long>(kvevict::Budget::keep_ratio(r.keep).n_kept(context_len));
       r.docs = static_cast<long>(n_docs);

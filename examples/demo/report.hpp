@@ -35,15 +35,18 @@ inline std::string describe_mode(Mode m, long chunk) {
   return m == Mode::oneshot ? std::string(to_string(m)) : std::string(to_string(m)) + " C=" + std::to_string(chunk);
 }
 
-/// "share head, tokens, original positions", "share layer, blocks of 16 (max), renumbered positions".
-inline std::string describe_layout(kvevict::Sharing share, long block, kvevict::Reduce reduce, bool renumber) {
+/// "share head, tokens, original positions", "share layer, blocks of 16 (max), renumbered positions",
+/// "share model, blocks of 16 (max), original positions, a page pool of 16-token pages (vLLM's plan)".
+inline std::string describe_layout(kvevict::Sharing share, long block, kvevict::Reduce reduce, bool renumber,
+                                   long pages = 0) {
   const std::string s = share == kvevict::Sharing::per_head    ? "head"
                         : share == kvevict::Sharing::per_layer ? "layer"
                                                                : "model";
   const std::string b = block > 1 ? "blocks of " + std::to_string(block) : std::string("tokens");
   const bool reduces = share != kvevict::Sharing::per_head || block > 1;
   return "share " + s + ", " + b + (reduces ? std::string(" (") + kvevict::to_string(reduce) + ")" : "") + ", " +
-         (renumber ? "renumbered" : "original") + " positions";
+         (renumber ? "renumbered" : "original") + " positions" +
+         (pages > 0 ? ", a page pool of " + std::to_string(pages) + "-token pages (vLLM's plan)" : std::string());
 }
 inline const char* share_name(kvevict::Sharing s) {
   return s == kvevict::Sharing::per_head ? "head" : s == kvevict::Sharing::per_layer ? "layer" : "model";
@@ -63,6 +66,7 @@ struct Record {
   long block = 1;
   kvevict::Reduce reduce = kvevict::Reduce::max;
   bool renumber = false;  // RoPE positions renumbered after each eviction
+  long pages = 0;         // the engine's page pool (vLLM): pages of this many tokens; 0: slabs
   double keep = 1;        // keep ratio; 1 for the full cache
   long n_kept = 0;        // floor(keep * context length)
   long docs = 0;
@@ -85,6 +89,7 @@ inline nlohmann::json to_json(const Record& r) {
           {"block", r.block},
           {"reduce", kvevict::to_string(r.reduce)},
           {"renumber", r.renumber},
+          {"pages", r.pages},
           {"keep", r.keep},
           {"n_kept", r.n_kept},
           {"docs", r.docs},
@@ -107,6 +112,7 @@ inline Record from_json(const nlohmann::json& j) {
   r.block = j.value("block", 1L);
   r.reduce = j.value("reduce", std::string("max")) == "mean" ? kvevict::Reduce::mean : kvevict::Reduce::max;
   r.renumber = j.value("renumber", false);
+  r.pages = j.value("pages", 0L);
   r.keep = j.at("keep").get<double>();
   r.n_kept = j.at("n_kept").get<long>();
   r.docs = j.at("docs").get<long>();
@@ -157,12 +163,12 @@ inline void print_table(std::FILE* out, const std::vector<Record>& records) {
   if (!records.empty() && records.front().mode != Mode::oneshot)
     std::fprintf(out, "mode %s: select ms is the policy's time over the whole stream (all evictions, all layers)\n",
                  describe_mode(records.front().mode, records.front().chunk).c_str());
-  if (!records.empty() &&
-      (records.front().share != kvevict::Sharing::per_head || records.front().block > 1 || records.front().renumber))
-    std::fprintf(
-        out, "layout: %s\n",
-        describe_layout(records.front().share, records.front().block, records.front().reduce, records.front().renumber)
-            .c_str());
+  if (!records.empty() && (records.front().share != kvevict::Sharing::per_head || records.front().block > 1 ||
+                           records.front().renumber || records.front().pages > 0))
+    std::fprintf(out, "layout: %s\n",
+                 describe_layout(records.front().share, records.front().block, records.front().reduce,
+                                 records.front().renumber, records.front().pages)
+                     .c_str());
   int name_width = 17;  // the longest policy name (ablations and compositions run longer), columns aligned
   for (const Record& r : records) name_width = std::max(name_width, static_cast<int>(r.policy.size()));
   std::fprintf(out, "%-*s %5s %6s %8s %8s %8s %8s %9s %10s %7s  %s\n", name_width, "policy", "keep", "n_kept", "loss",

@@ -24,6 +24,9 @@
 /// window, docs/algorithms.md#streaming).
 /// The forward pass also adds each softmax row to the attention its entries received (LayerBook::add_attention),
 /// which H2O reads: the prefill's whole causal attention, then every later token's.
+/// Paged (page_rows > 0): the cache is vLLM's page pool with one block table (KVCache); kvevict reads it in place
+/// through the table (kvevict::kv_paged_tokens_major) and every eviction applies kvevict::adapters::vllm_plan to all
+/// layers at once, so the policy must keep one set for the model (share = per_model); positions are kept.
 
 #include <Eigen/Core>
 
@@ -58,10 +61,12 @@ class Engine {
  public:
   /// `window`: how many trailing query positions to remember for eviction (the policy's window, default 32).
   /// `capacity`: rows per (layer, KV head) cache; the default is the model context (config.ctx).
-  explicit Engine(const Model& model, Index window = 32, Index capacity = 0) : model_(&model), window_(window) {
+  /// `page_rows`: 0, slabs; > 0, a page pool of pages of page_rows tokens (see the file comment).
+  explicit Engine(const Model& model, Index window = 32, Index capacity = 0, Index page_rows = 0)
+      : model_(&model), window_(window) {
     const Config& c = model.config;
     if (window < 1) throw std::invalid_argument("Engine: window must be >= 1");
-    cache_ = KVCache(c.n_layer, c.n_kv_head, c.head_dim, capacity > 0 ? capacity : c.ctx);
+    cache_ = KVCache(c.n_layer, c.n_kv_head, c.head_dim, capacity > 0 ? capacity : c.ctx, page_rows);
     window_queries_.assign(static_cast<std::size_t>(c.n_layer),
                            std::vector<float>(static_cast<std::size_t>(c.n_head * window * c.head_dim), 0.0f));
     // RoPE table [ctx, head_dim / 2], rotate-half convention: angle(t, m) = t * theta^(-2m / d).
@@ -84,7 +89,10 @@ class Engine {
   Index window() const { return window_; }
   /// Whether evictions renumber the kept entries' RoPE positions contiguously (see the file comment).
   bool renumbers_positions() const { return renumber_; }
-  void renumber_positions(bool on) { renumber_ = on; }
+  void renumber_positions(bool on) {
+    if (on && cache_.paged()) throw std::invalid_argument("Engine: a paged cache keeps positions (no renumbering)");
+    renumber_ = on;
+  }
   /// The model's rotary embedding as kvevict describes it (rotate-half pairs over the whole head).
   kvevict::Rope rope() const {
     kvevict::Rope r;
@@ -179,6 +187,7 @@ class Engine {
   /// kept keys are then re-rotated from their current RoPE position (their row: positions are contiguous after an
   /// earlier renumbering; before any eviction the row is the position) to their new row.
   void evict(Index layer, const kvevict::Selection& selection) {
+    if (cache_.paged()) throw std::logic_error("Engine::evict: a paged cache evicts every layer at once");
     cache_.compact(layer, selection);
     engine_scores_.clear();
     if (!renumber_) return;
@@ -194,6 +203,11 @@ class Engine {
   void evict(const std::vector<kvevict::Selection>& selections) {
     if (static_cast<Index>(selections.size()) != model_->config.n_layer)
       throw std::invalid_argument("Engine::evict: needs one selection per layer");
+    if (cache_.paged()) {
+      cache_.evict_pages(selections);
+      engine_scores_.clear();
+      return;
+    }
     for (Index l = 0; l < model_->config.n_layer; ++l) evict(l, selections[static_cast<std::size_t>(l)]);
   }
 
@@ -204,6 +218,17 @@ class Engine {
   EvictionStats compress(const Policy& policy, const kvevict::Budget& budget) {
     using clock = std::chrono::steady_clock;
     EvictionStats stats;
+    if (cache_.paged()) {  // every layer's selection, then one plan
+      const auto t0 = clock::now();
+      const std::vector<kvevict::Selection> selections =
+          kvevict::select_layers(policy, model_inputs(window_of(policy)), budget);
+      const auto t1 = clock::now();
+      evict(selections);
+      stats.select_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
+      stats.compact_ms = std::chrono::duration<double, std::milli>(clock::now() - t1).count();
+      stats.kept = kept_lengths();
+      return stats;
+    }
     for (Index l = 0; l < model_->config.n_layer; ++l) {
       const auto t0 = clock::now();
       const kvevict::Selection selection =
@@ -270,9 +295,23 @@ class Engine {
   Index evict_over_budget(const Policy& policy, Index n, EvictionStats* stats = nullptr) {
     using clock = std::chrono::steady_clock;
     const auto t0 = clock::now();
+    std::vector<kvevict::Selection> due;  // paged: every layer's selection (one set for the model), then one plan
     const Index evicted = kvevict::evict_over_budget(
         policy, cache_.book(), n, [&](Index l) { return eviction_inputs(l, window_of(policy)); },
-        [&](Index l, const kvevict::Selection& s) { evict(l, s); });
+        [&](Index l, const kvevict::Selection& s) {
+          if (cache_.paged())
+            due.push_back(s);
+          else
+            evict(l, s);
+        });
+    if (cache_.paged() && evicted > 0) {
+      if (evicted != model_->config.n_layer)
+        throw std::logic_error(
+            "Engine::evict_over_budget: a paged cache evicts every layer at once (share = "
+            "per_model); " +
+            std::to_string(evicted) + " layers were due");
+      evict(due);
+    }
     if (stats) stats->select_ms += std::chrono::duration<double, std::milli>(clock::now() - t0).count();
     return evicted;
   }
@@ -386,11 +425,11 @@ class Engine {
 
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     Matrix attn(n, c.n_head * d);
-    Matrix scores;
+    Matrix scores, key_rows, value_rows;  // the head's rows read through the block table (paged)
     RowVector received;  // attention each row of the KV head received from the new tokens' queries (H2O)
     for (Index kh = 0; kh < c.n_kv_head; ++kh) {
-      const auto keys = cache_.keys(l, kh);  // [len, d]: kept context rows, then the new tokens
-      const auto values = cache_.values(l, kh);
+      const auto keys = cache_.keys(l, kh, key_rows);  // [len, d]: kept context rows, then the new tokens
+      const auto values = cache_.values(l, kh, value_rows);
       const Index cached = keys.rows() - n;  // rows before the new tokens, all visible to every new token
       received.setZero(keys.rows());
       for (Index qh = kh * group; qh < (kh + 1) * group; ++qh) {

@@ -267,3 +267,43 @@ TEST_CASE("shared layouts on doc 0: per-layer blocks keep one set per layer with
   engine.evict(sels);
   CHECK(std::isfinite(d.task.loss(d.context_logits, engine.extend(d.task.continuation_inputs()))));
 }
+
+TEST_CASE("a paged engine (vLLM's page pool and plans) reproduces the slab engine bit for bit", "[engine][paged]") {
+  // The same doc through an engine whose cache is a shuffled page pool with one block table: kvevict reads it in
+  // place through the table, every eviction applies adapters::vllm_plan (slot copies at blocks of 1, the table only
+  // at blocks of 16), and the continuation's logits equal the slab engine's exactly, one-shot and capped.
+  const Doc0& d = doc0();
+  const auto& model_ = model();
+  for (const kvevict::Index block : {kvevict::Index{1}, kvevict::Index{16}}) {
+    kvevict::LayerDefensiveKV::Params p;
+    p.share = kvevict::Sharing::per_model;
+    p.block = block;
+    const kvevict::LayerDefensiveKV policy(p);
+    INFO("block " << block);
+    tinycode::Engine paged(model_, 32, 0, 16);
+    CHECK(paged.cache().paged());
+    const tinycode::Matrix context_logits = paged.extend(d.task.context);
+    CHECK(context_logits == d.context_logits);
+    tinycode::Engine slab = d.prefilled;
+    const auto budget = kvevict::Budget::keep_ratio(0.1);
+    slab.evict(kvevict::select_layers(policy, slab.eviction_inputs(), budget));
+    const auto sels = kvevict::select_layers(policy, paged.eviction_inputs(), budget);
+    paged.evict(sels);
+    CHECK(paged.kept_lengths() == slab.kept_lengths());
+    CHECK(static_cast<kvevict::Index>(paged.cache().block_table().size()) == (sels[0].length(0) + 15) / 16);
+    // Capped decoding after it: steps of 64 evicted back to 153 tokens per head, in both engines.
+    const auto after = d.task.continuation_inputs();
+    for (std::size_t at = 0; at + 64 <= after.size(); at += 64) {
+      CHECK(paged.extend(after.data() + at, 64) == slab.extend(after.data() + at, 64));
+      CHECK(paged.evict_over_budget(policy, 153) == slab.evict_over_budget(policy, 153));
+      CHECK(paged.kept_lengths() == slab.kept_lengths());
+    }
+  }
+  // A per-head selection cannot be applied to one block table: refused by the adapter, by name.
+  tinycode::Engine paged(model_, 32, 0, 16);
+  paged.extend(d.task.context);
+  const auto per_head =
+      kvevict::select_layers(kvevict::AdaKV{}, paged.eviction_inputs(), kvevict::Budget::keep_ratio(0.1));
+  CHECK_THROWS_WITH(paged.evict(per_head), Catch::Contains("select with share = per_model"));
+  CHECK_THROWS_AS(paged.renumber_positions(true), std::invalid_argument);
+}

@@ -113,20 +113,20 @@ inline const float* e5m2_table() {
   return table.data();
 }
 
-/// The dequantisation factors of one KV head's rows, from row `first` on: row r reads tensor * token[r * stride]
-/// (the factor alone when there is no token scale).
+/// The dequantisation factors of one KV head's rows, from row `first` on: row r reads tensor * token(head, first + r)
+/// (the factor alone when there is no token scale); the token view may be paged like the cache it scales.
 struct RowScale {
   float tensor = 1.0f;
-  const float* token = nullptr;
-  Index stride = 0;
+  HeadsView<const float> token;  // empty: no token scale
+  Index head = 0, first = 0;
 
-  float operator()(Index r) const { return token ? tensor * token[r * stride] : tensor; }
-  RowScale from(Index first) const { return RowScale{tensor, token ? token + first * stride : nullptr, stride}; }
+  float operator()(Index r) const { return token.heads() > 0 ? tensor * *token.row(head, first + r) : tensor; }
+  RowScale from(Index r) const { return RowScale{tensor, token, head, first + r}; }
 };
 
 inline RowScale row_scale(const KVScale& s, Index h) {
-  if (!s.has_token()) return RowScale{s.tensor, nullptr, 0};
-  return RowScale{s.tensor, s.token.data() + h * s.token.head_stride(), s.token.row_stride()};
+  if (!s.has_token()) return RowScale{s.tensor, {}, 0, 0};
+  return RowScale{s.tensor, s.token, h, 0};
 }
 
 /// out[0, n) = in[0, n) * factor, dequantized in float: float(code) exactly, then one rounding of the product, so

@@ -6,6 +6,7 @@
 #include <limits>
 #include <vector>
 
+#include "kvevict/core/convert.hpp"
 #include "kvevict/core/error.hpp"
 #include "kvevict/core/inputs.hpp"
 #include "kvevict/core/selection.hpp"
@@ -52,7 +53,9 @@ template <class Q, class KV>
 RowMatrix<double> future_attention(const HeadsView<const Q>& future, const KVView<const KV>& keys, Index q) {
   static_assert(!is_quantized_v<KV>, "kvevict measures read float, double, half or bfloat16 caches: dequantize first");
   const Index G = future.heads() / keys.heads();
-  RowMatrix<double> a = future.head(q).template cast<double>() * keys.head(q / G).template cast<double>().transpose();
+  RowMatrix<double> k;  // [L, d], read by page runs when the cache is paged
+  read_block<double>(head_rows(keys, q / G), 0, keys.rows(), k);
+  RowMatrix<double> a = future.head(q).template cast<double>() * k.transpose();
   a /= std::sqrt(static_cast<double>(keys.cols()));
   for (Index f = 0; f < a.rows(); ++f) {
     a.row(f).array() -= a.row(f).maxCoeff();
@@ -107,8 +110,9 @@ OutputPerturbation output_perturbation(const HeadsView<const Q>& future_queries,
       const double mass = a_kept.row(f).sum();
       if (mass > 0) a_kept.row(f) /= mass;
     }
-    const RowMatrix<double> vw =
-        in.values.head(q / G).template cast<double>() * in.w_o.head(q).template cast<double>().transpose();  // [L, D]
+    RowMatrix<double> v;  // [L, d]
+    detail::read_block<double>(detail::head_rows(in.values, q / G), 0, in.values.rows(), v);
+    const RowMatrix<double> vw = v * in.w_o.head(q).template cast<double>().transpose();  // [L, D]
     full.noalias() += a * vw;
     kept.noalias() += a_kept * vw;
   }

@@ -17,10 +17,10 @@ namespace kvevict::extend {
 template <class S, class T, class F>
 void for_each_block_of_head(const KVView<const T>& view, const KVScale& scale, Index h, Index length, F&& f) {
   RowMatrix<S> rows;
-  const detail::RowScale factors = detail::row_scale(scale, h);
+  const detail::HeadRows<T> head = detail::head_rows(view, h, length, scale);
   for (Index j0 = 0; j0 < length; j0 += detail::kKeyBlock) {
     const Index n = std::min(detail::kKeyBlock, length - j0);
-    detail::read_rows<S>(view.head(h).middleRows(j0, n), factors.from(j0), rows);
+    detail::read_block<S>(head, j0, n, rows);
     f(j0, static_cast<const RowMatrix<S>&>(rows));
   }
 }

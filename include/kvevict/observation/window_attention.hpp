@@ -62,7 +62,10 @@ void require_finite(const HeadsView<const T>& v, const char* where, const char* 
                     Positioned positioned) {
   for (Index h = 0; h < v.heads(); ++h) {
     const Index rows = rows_of(h), cols = cols_of(h);
-    if (all_finite(v.head(h).topLeftCorner(rows, cols))) continue;
+    bool finite = true;
+    for (Index r = 0; r < rows && finite; r += v.run_rows(r))  // one run of rows at a time (a paged view's page)
+      finite = all_finite(v.run(h, r, std::min(v.run_rows(r), rows - r)).leftCols(cols));
+    if (finite) continue;
     for (Index r = 0; r < rows; ++r)
       for (Index c = 0; c < cols; ++c)
         if (!std::isfinite(v.row(h, r)[c]))
@@ -97,17 +100,17 @@ void require_finite_entries(const KVView<const T>& v, const extend::LayerShape& 
   if constexpr (is_quantized_v<T>) {
     RowMatrix<float> rows;
     for (Index h = 0; h < v.heads(); ++h) {
-      const RowScale factors = row_scale(scale, h);
-      for (Index j0 = 0; j0 < shape.length(h); j0 += kKeyBlock) {  // a cache-sized block at a time
-        const Index n = std::min(kKeyBlock, shape.length(h) - j0);
-        read_rows<float>(v.head(h).middleRows(j0, n), factors.from(j0), rows);
+      const HeadRows<T> head = head_rows(v, h, shape.length(h), scale);
+      for (Index j0 = 0; j0 < head.rows; j0 += kKeyBlock) {  // a cache-sized block at a time
+        const Index n = std::min(kKeyBlock, head.rows - j0);
+        read_block<float>(head, j0, n, rows);
         if (std::isfinite((rows.array() * 0.0f).sum())) continue;
         for (Index r = 0; r < n; ++r)
           for (Index c = 0; c < v.cols(); ++c)
             if (!std::isfinite(rows(r, c)))
               throw invalid_argument(concat("kvevict::", where, ": ", name, "[", h, ", ", j0 + r, ", ", c, "]",
                                             positioned(h, j0 + r), " is not finite (", rows(r, c), " = stored ",
-                                            static_cast<float>(v.row(h, j0 + r)[c]), " x scale ", factors(j0 + r),
+                                            static_cast<float>(v.row(h, j0 + r)[c]), " x scale ", head.scale(j0 + r),
                                             "); the inputs contain NaN or Inf values"));
       }
     }
@@ -117,21 +120,15 @@ void require_finite_entries(const KVView<const T>& v, const extend::LayerShape& 
   }
 }
 
-/// logits [w, L] = q_win k^T, q_win [w, d] in S, k [L, d] in its storage type (quantized: dequantized with the
-/// factors `scale`); `buffer` is reused scratch.
-template <class S, class QMat, class KMat>
-void window_logits(const QMat& q_win, const KMat& k, RowMatrix<S>& logits, RowMatrix<S>& buffer,
-                   const RowScale& scale = {}) {
-  const Index L = k.rows();
+/// logits [w, L] = q_win k^T, q_win [w, d] in S, k the L rows of one KV head in its storage type (block_in:
+/// converted or dequantized a block at a time); `buffer` is reused scratch.
+template <class S, class QMat, class KV>
+void window_logits(const QMat& q_win, const HeadRows<KV>& k, RowMatrix<S>& logits, RowMatrix<S>& buffer) {
+  const Index L = k.rows;
   logits.resize(q_win.rows(), L);
   for (Index j0 = 0; j0 < L;) {
     const Index n = L - j0 < 2 * kKeyBlock ? L - j0 : kKeyBlock;
-    if constexpr (std::is_same_v<typename KMat::Scalar, S>) {
-      logits.middleCols(j0, n).noalias() = q_win * k.middleRows(j0, n).transpose();
-    } else {
-      read_rows<S>(k.middleRows(j0, n), scale.from(j0), buffer);
-      logits.middleCols(j0, n).noalias() = q_win * buffer.transpose();
-    }
+    logits.middleCols(j0, n).noalias() = q_win * block_in<S>(k, j0, n, buffer).transpose();
     j0 += n;
   }
 }
@@ -152,12 +149,11 @@ void causal_softmax(RowMatrix<S>& rows, Index d) {
   }
 }
 
-/// rows [w, L] = softmax(q_win k^T / sqrt(d)) with the causal mask inside the window; q_win [w, d] in S, k [L, d]
-/// in its storage type (converted block by block, window_logits).
-template <class S, class QMat, class KMat>
-void softmax_window_rows(const QMat& q_win, const KMat& k, RowMatrix<S>& rows, RowMatrix<S>& buffer,
-                         const RowScale& keys_scale = {}) {
-  window_logits<S>(q_win, k, rows, buffer, keys_scale);
+/// rows [w, L] = softmax(q_win k^T / sqrt(d)) with the causal mask inside the window; q_win [w, d] in S, k the L
+/// rows of one KV head in its storage type (converted block by block, window_logits).
+template <class S, class QMat, class KV>
+void softmax_window_rows(const QMat& q_win, const HeadRows<KV>& k, RowMatrix<S>& rows, RowMatrix<S>& buffer) {
+  window_logits<S>(q_win, k, rows, buffer);
   causal_softmax(rows, k.cols());
 }
 
@@ -165,15 +161,15 @@ void softmax_window_rows(const QMat& q_win, const KMat& k, RowMatrix<S>& rows, R
 /// is converted once (read_rows) and multiplied by every head's queries, so the conversion is paid once per KV
 /// head, not G times. rows[g] [w, L] receives q_win(g) k^T, with the same block products as window_logits (bit for
 /// bit the same logits); q_win(g) is query head g of the group, [w, d] in S.
-template <class S, class QOf, class KMat>
-void group_window_logits(QOf&& q_win, Index G, const KMat& k, std::vector<RowMatrix<S>>& rows, RowMatrix<S>& buffer,
-                         const RowScale& scale) {
-  const Index L = k.rows();
+template <class S, class QOf, class KV>
+void group_window_logits(QOf&& q_win, Index G, const HeadRows<KV>& k, std::vector<RowMatrix<S>>& rows,
+                         RowMatrix<S>& buffer) {
+  const Index L = k.rows;
   rows.resize(static_cast<std::size_t>(G));
   for (Index g = 0; g < G; ++g) rows[static_cast<std::size_t>(g)].resize(q_win(g).rows(), L);
   for (Index j0 = 0; j0 < L;) {
     const Index n = L - j0 < 2 * kKeyBlock ? L - j0 : kKeyBlock;
-    read_rows<S>(k.middleRows(j0, n), scale.from(j0), buffer);
+    read_block<S>(k, j0, n, buffer);
     for (Index g = 0; g < G; ++g)
       rows[static_cast<std::size_t>(g)].middleCols(j0, n).noalias() = q_win(g) * buffer.transpose();
     j0 += n;
@@ -205,12 +201,12 @@ void window_attention(const HeadsView<const Q>& queries, const KVView<const KV>&
   static_assert(std::is_floating_point_v<S>, "window_attention: arithmetic type must be float or double");
   const Index h = q / group, L = length < 0 ? keys.rows() : length;
   RowMatrix<S> buffer;
-  const detail::RowScale scale = detail::row_scale(keys_scale, h);
+  const detail::HeadRows<KV> k = detail::head_rows(keys, h, L, keys_scale);
   if constexpr (std::is_same_v<std::remove_const_t<Q>, S>) {
-    detail::softmax_window_rows<S>(queries.head(q), keys.head(h).topRows(L), rows, buffer, scale);
+    detail::softmax_window_rows<S>(queries.head(q), k, rows, buffer);
   } else {
     const RowMatrix<S> q_win = queries.head(q).template cast<S>();
-    detail::softmax_window_rows<S>(q_win, keys.head(h).topRows(L), rows, buffer, scale);
+    detail::softmax_window_rows<S>(q_win, k, rows, buffer);
   }
 }
 
@@ -260,10 +256,9 @@ class WindowObservation {
       RowMatrix<S>& rows = scratch.rows;
       if constexpr (!std::is_same_v<std::remove_const_t<KV>, S>) {
         if (from_queries_) {
-          const auto keys = keys_.head(h).topRows(shape_.length(h));
+          const auto keys = detail::head_rows(keys_, h, shape_.length(h), keys_scale_);
           const auto group_logits = [&](auto&& q_win) {
-            detail::group_window_logits<S>(q_win, G, keys, scratch.group_rows, scratch.buffer,
-                                           detail::row_scale(keys_scale_, h));
+            detail::group_window_logits<S>(q_win, G, keys, scratch.group_rows, scratch.buffer);
           };
           if constexpr (std::is_same_v<std::remove_const_t<Q>, S>) {
             group_logits([&](Index g) { return queries_.head(h * G + g); });
@@ -286,12 +281,12 @@ class WindowObservation {
         if (!from_queries_) {
           head_rows(q, rows);
         } else if constexpr (std::is_same_v<std::remove_const_t<Q>, S>) {
-          detail::softmax_window_rows<S>(queries_.head(q), keys_.head(h).topRows(shape_.length(h)), rows,
-                                         scratch.buffer, detail::row_scale(keys_scale_, h));
+          detail::softmax_window_rows<S>(queries_.head(q), detail::head_rows(keys_, h, shape_.length(h), keys_scale_),
+                                         rows, scratch.buffer);
         } else {
           scratch.queries = queries_.head(q).template cast<S>();
-          detail::softmax_window_rows<S>(scratch.queries, keys_.head(h).topRows(shape_.length(h)), rows, scratch.buffer,
-                                         detail::row_scale(keys_scale_, h));
+          detail::softmax_window_rows<S>(scratch.queries, detail::head_rows(keys_, h, shape_.length(h), keys_scale_),
+                                         rows, scratch.buffer);
         }
         f(q, static_cast<const RowMatrix<S>&>(rows));
       }

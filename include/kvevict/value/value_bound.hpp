@@ -77,8 +77,7 @@ RowMatrix<S> l1_value_bounds(const KVView<const KV>& values, const HeadsView<con
   };
   detail::parallel_for_with<Scratch>(Hkv, [&](Index h, Scratch& scratch) {
     const Index L = length_of(h);
-    const auto v = values.head(h).topRows(L);
-    const detail::RowScale scale = detail::row_scale(values_scale, h);
+    const detail::HeadRows<KV> v = detail::head_rows(values, h, L, values_scale);
     scratch.grams.resize(d, group * d);
     for (Index k = 0; k < group; ++k)
       scratch.grams.middleCols(k * d, d) = gram.per_head[static_cast<std::size_t>(h * group + k)];
@@ -86,7 +85,7 @@ RowMatrix<S> l1_value_bounds(const KVView<const KV>& values, const HeadsView<con
     constexpr Index block = 256;
     for (Index j0 = 0; j0 < L; j0 += block) {
       const Index rows = std::min(block, L - j0);
-      const auto& vb = detail::block_in<S>(v.middleRows(j0, rows), scale.from(j0), scratch.v);
+      const detail::RowsRef<S> vb = detail::block_in<S>(v, j0, rows, scratch.v);
       scratch.projected.noalias() = vb * scratch.grams;
       scratch.t.noalias() = vb.cwiseAbs() * c.transpose();
       for (Index r = 0; r < rows; ++r) {
@@ -128,8 +127,7 @@ std::vector<S> l1_value_norms_of_rows(const KVView<const KV>& values, const Head
   std::vector<Index> used(static_cast<std::size_t>(block), 0);  // full-height buffers holding each slot so far
   std::vector<std::pair<Index, std::size_t>> whole;             // blocks requested whole: (first row, index of it)
   Buffer last;
-  const auto v = values.head(h);
-  const detail::RowScale scale = detail::row_scale(values_scale, h);
+  const detail::HeadRows<KV> v = detail::head_rows(values, h, length, values_scale);
   RowMatrix<S> row_in;
   for (std::size_t i = 0; i < rows.size();) {
     const Index j = rows[i], j0 = j / block * block, height = std::min(block, length - j0);
@@ -149,7 +147,7 @@ std::vector<S> l1_value_norms_of_rows(const KVView<const KV>& values, const Head
     } else if (last.rows.rows() == 0) {
       last.rows = RowMatrix<S>::Zero(last_height, d);
     }
-    target->rows.row(slot) = detail::block_in<S>(v.middleRows(j, 1), scale.from(j), row_in);
+    target->rows.row(slot) = detail::block_in<S>(v, j, 1, row_in);
     target->placed.emplace_back(slot, i);
     ++i;
   }
@@ -161,7 +159,7 @@ std::vector<S> l1_value_norms_of_rows(const KVView<const KV>& values, const Head
     const auto project = [&](const auto& wq) {
       for (const auto& [j0, i0] : whole) {  // as accumulate_l1_norms computes the block
         const Index n = std::min(block, length - j0);
-        detail::project_block<S>(detail::block_in<S>(v.middleRows(j0, n), scale.from(j0), converted), wq, proj, pad);
+        detail::project_block<S>(detail::block_in<S>(v, j0, n, converted), wq, proj, pad);
         for (Index r = 0; r < n; ++r) out[i0 + static_cast<std::size_t>(r)] += proj.row(r).cwiseAbs().sum();
       }
       for (const Buffer& b : buffers) {

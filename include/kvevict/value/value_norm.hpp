@@ -18,19 +18,6 @@
 
 namespace kvevict::detail {
 
-/// `rows` [n, d] of a view in the arithmetic type S: itself when stored as S, else converted (quantized storage:
-/// dequantized with the factors `scale`) into `buffer`, one block at a time: a half, bfloat16, int8 or fp8 cache is
-/// never copied whole.
-template <class S, class Block>
-decltype(auto) block_in(const Block& rows, const RowScale& scale, RowMatrix<S>& buffer) {
-  if constexpr (std::is_same_v<typename Block::Scalar, S>) {
-    return Block(rows);  // an Eigen view, by value
-  } else {
-    read_rows<S>(rows, scale, buffer);
-    return static_cast<const RowMatrix<S>&>(buffer);
-  }
-}
-
 /// Rows per product of the L1 term (value_norms; value_bound.hpp computes chosen rows at the same slots).
 constexpr Index kL1Block = 128;
 
@@ -52,13 +39,13 @@ void project_block(const Rows& rows, const WMat& w, RowMatrix<S>& proj, RowMatri
 /// Adds || V_h[j] (W^q)^T ||_1 to out[j] for the L rows of one KV head (v in its storage type, row j scaled by
 /// scale(j) when quantized), in blocks of kL1Block rows so that the [L, D] projection is never materialised (extra
 /// memory O(block * D): `proj`, reused).
-template <class S, class VMat, class WMat>
-void accumulate_l1_norms(const VMat& v, const WMat& w, S* out, RowMatrix<S>& proj, RowMatrix<S>& buffer,
-                         RowMatrix<S>& pad, const RowScale& scale = {}) {
-  const Index L = v.rows();
+template <class S, class KV, class WMat>
+void accumulate_l1_norms(const HeadRows<KV>& v, const WMat& w, S* out, RowMatrix<S>& proj, RowMatrix<S>& buffer,
+                         RowMatrix<S>& pad) {
+  const Index L = v.rows;
   for (Index j0 = 0; j0 < L; j0 += kL1Block) {
     const Index n = std::min(kL1Block, L - j0);
-    project_block<S>(block_in<S>(v.middleRows(j0, n), scale.from(j0), buffer), w, proj, pad);  // [n, D]
+    project_block<S>(block_in<S>(v, j0, n, buffer), w, proj, pad);  // [n, D]
     for (Index r = 0; r < n; ++r) out[j0 + r] += proj.row(r).cwiseAbs().sum();
   }
 }
@@ -88,17 +75,15 @@ RowMatrix<S> value_norms(const KVView<const KV>& values, const HeadsView<const W
   // KV heads in parallel with KVEVICT_OPENMP; each writes row h of n only.
   detail::parallel_for_with<Scratch>(Hkv, [&](Index h, Scratch& scratch) {
     const Index L = length_of(h);
-    const auto v = values.head(h).topRows(L);  // in its storage type: converted block by block
-    const detail::RowScale scale = detail::row_scale(values_scale, h);
+    const detail::HeadRows<KV> v = detail::head_rows(values, h, L, values_scale);  // converted block by block
     if (norm == ValueNorm::l1) {
       for (Index g = 0; g < group; ++g) {
         if constexpr (std::is_same_v<std::remove_const_t<W>, S>) {
           detail::accumulate_l1_norms<S>(v, w_o.head(h * group + g), n.row(h).data(), scratch.projected, scratch.v,
-                                         scratch.pad, scale);
+                                         scratch.pad);
         } else {
           scratch.w = w_o.head(h * group + g).template cast<S>();
-          detail::accumulate_l1_norms<S>(v, scratch.w, n.row(h).data(), scratch.projected, scratch.v, scratch.pad,
-                                         scale);
+          detail::accumulate_l1_norms<S>(v, scratch.w, n.row(h).data(), scratch.projected, scratch.v, scratch.pad);
         }
       }
       return;
@@ -112,7 +97,7 @@ RowMatrix<S> value_norms(const KVView<const KV>& values, const HeadsView<const W
     constexpr Index block = 256;
     for (Index j0 = 0; j0 < L; j0 += block) {
       const Index rows = std::min(block, L - j0);
-      const auto& vb = detail::block_in<S>(v.middleRows(j0, rows), scale.from(j0), scratch.v);
+      const detail::RowsRef<S> vb = detail::block_in<S>(v, j0, rows, scratch.v);
       scratch.projected.noalias() = vb * grams;
       for (Index g = 0; g < group; ++g)
         n.row(h).segment(j0, rows) +=
