@@ -27,6 +27,7 @@
 
 #include <kvevict/kvevict.hpp>
 
+#include "demo/engine_modes.hpp"
 #include "demo/report.hpp"
 #include "tinycode/engine.hpp"
 #include "tinycode/eval.hpp"
@@ -47,10 +48,11 @@ double ms_since(clock_type::time_point t0) {
 /// Chooses what every layer of a prefilled engine keeps; returns one Selection per layer. It sees the whole
 /// engine, so per-layer policies and whole-model ones (which plan over all layers before evicting) fit the same
 /// slot, and value-aware ones read W_o through engine.eviction_inputs().
-using Compressor = std::function<std::vector<kvevict::Selection>(const Engine&, const kvevict::Budget&)>;
+using Compressor =
+    std::function<std::vector<kvevict::Selection>(const Engine&, const kvevict::Budget&, const kvevict::Knobs& layout)>;
 /// Ends a step of a stream (--mode chunked|capped): evicts every layer over n rows per KV head (Engine's
 /// evict_over_budget, docs/algorithms.md#streaming), adding the policy's time to *select_ms.
-using StreamEvictor = std::function<void(Engine&, Index n, double* select_ms)>;
+using StreamEvictor = std::function<void(Engine&, Index n, double* select_ms, const kvevict::Knobs& layout)>;
 
 struct PolicyEntry {
   std::string name;
@@ -61,15 +63,11 @@ struct PolicyEntry {
   bool engine_scores = false;  // reads the prefilled engine's KVzip scores (Engine::score_by_reconstruction)
 };
 
-/// The layout every policy runs with (--share, --block, --reduce; docs/algorithms.md#layouts).
-kvevict::Knobs& layout_knobs() {
-  static kvevict::Knobs layout;
-  return layout;
-}
-kvevict::Knobs with_layout(kvevict::Knobs k) {
-  k.share = layout_knobs().share;
-  k.block = layout_knobs().block;
-  k.reduce = layout_knobs().reduce;
+/// `k` with a run's layout (--share, --block, --reduce, or an engine mode's; docs/algorithms.md#layouts).
+kvevict::Knobs with_layout(kvevict::Knobs k, const kvevict::Knobs& layout) {
+  k.share = layout.share;
+  k.block = layout.block;
+  k.reduce = layout.reduce;
   return k;
 }
 
@@ -86,14 +84,14 @@ PolicyEntry entry(const std::string& name, const std::string& base, const kvevic
     using P = typename std::decay_t<decltype(e)>::policy_type;
     out.scope = e.scope;
     out.engine_scores = P::reads_scores();
-    out.compress = [e, knobs](const Engine& engine, const kvevict::Budget& budget) {
-      const auto policy = e.make(with_layout(knobs));
+    out.compress = [e, knobs](const Engine& engine, const kvevict::Budget& budget, const kvevict::Knobs& layout) {
+      const auto policy = e.make(with_layout(knobs, layout));
       return kvevict::select_layers(policy, engine.eviction_inputs_for(policy), budget);
     };
     if (!P::reads_scores())
-      out.stream = [e, knobs](Engine& engine, Index n, double* select_ms) {
+      out.stream = [e, knobs](Engine& engine, Index n, double* select_ms, const kvevict::Knobs& layout) {
         tinycode::EvictionStats stats;
-        engine.evict_over_budget(e.make(with_layout(knobs)), n, &stats);
+        engine.evict_over_budget(e.make(with_layout(knobs, layout)), n, &stats);
         *select_ms += stats.select_ms;
       };
   };
@@ -170,7 +168,8 @@ struct Options {
   Index block = 1;
   kvevict::Reduce reduce = kvevict::Reduce::max;
   bool renumber = false;
-  Index pages = 0;  // --pages B: the engine's cache in a page pool (vLLM), 0: slabs
+  Index pages = 0;                               // --pages B: the engine's cache in a page pool (vLLM), 0: slabs
+  std::vector<const demo::EngineMode*> engines;  // --engines: every configuration under each engine's mode
   unsigned threads = std::max(1u, std::thread::hardware_concurrency());
 };
 
@@ -180,37 +179,42 @@ void usage(std::FILE* out) {
                "                    [--json FILE] [--svg FILE] [--replot FILE] [--check] [--ablations]\n"
                "                    [--model DIR] [--threads N] [--stepwise] [--mode M] [--chunk C]\n"
                "                    [--share S] [--block B] [--reduce R] [--renumber] [--pages B]\n"
+               "                    [--engines NAME[,NAME...]|all]\n"
                "  --docs N        continuation loss on the first N of the 64 eval docs (default %d)\n"
                "  --passkeys M    passkey retrieval on the first M of the 192 records (default %d)\n"
                "  --keep LIST     keep ratios (default 0.2,0.1,0.05): n_kept = floor(keep * context length)\n"
                "  --policies LIST subset of:",
                Options{}.docs, Options{}.passkeys);
   for (const auto& p : all_policies()) std::fprintf(out, " %s", p.name.c_str());
-  std::fprintf(out,
-               "\n  --json FILE     one record per (policy, keep)\n"
-               "  --ablations     also run the ablations (names with + or -no-: one part of a policy changed)\n"
-               "  --svg FILE      chart: loss increase and passkey accuracy against keep, one line per policy\n"
-               "  --replot FILE   no run: print the table (and --svg) of a --json FILE written earlier\n"
-               "  --check         exit 1 unless every number is finite and the full cache reproduces the reference\n"
-               "                  per-doc losses of eval/full_cache_nll.json within 1e-3 (the CI smoke test)\n"
-               "  --model DIR     model directory (default: the vendored models/tinycode)\n"
-               "  --threads N     docs and passkey records run in parallel on N threads (default: all cores)\n"
-               "  --stepwise      run the continuation one decoding step at a time (slower, same numbers)\n"
-               "  --mode M        oneshot (default): prefill the context, evict once, continue;\n"
-               "                  chunked: prefill the context in chunks of C, evicting to n_kept after each, then\n"
-               "                  continue without eviction; capped: stream the whole document (context and\n"
-               "                  continuation; passkeys: context, question, answer) in steps of C under n_kept,\n"
-               "                  evicting after every step. A last step shorter than the window joins the one before\n"
-               "  --chunk C       the step of chunked / capped (default 256 / 64; at least the window, 32)\n"
-               "  --share S       head (default), layer or model: which KV heads keep one common set of tokens\n"
-               "  --block B       keep or evict whole blocks of B rows (default 1: tokens), as paged caches do\n"
-               "  --reduce R      max (default) or mean: how shared heads' and a block's scores become one\n"
-               "  --renumber      after each eviction, re-rotate the kept keys to contiguous RoPE positions and\n"
-               "                  continue from each head's length (default: keep the original positions)\n"
-               "  --pages B       the engine keeps its cache in a page pool of B-token pages with one block table,\n"
-               "                  read in place by kvevict, each eviction applying adapters::vllm_plan (as vLLM;\n"
-               "                  needs --share model; positions kept)\n"
-               "  --docs 64 --passkeys 192 is the full protocol of MODEL.md.\n");
+  std::fprintf(
+      out,
+      "\n  --json FILE     one record per (policy, keep)\n"
+      "  --ablations     also run the ablations (names with + or -no-: one part of a policy changed)\n"
+      "  --svg FILE      chart: loss increase and passkey accuracy against keep, one line per policy\n"
+      "  --replot FILE   no run: print the table (and --svg) of a --json FILE written earlier\n"
+      "  --check         exit 1 unless every number is finite and the full cache reproduces the reference\n"
+      "                  per-doc losses of eval/full_cache_nll.json within 1e-3 (the CI smoke test)\n"
+      "  --model DIR     model directory (default: the vendored models/tinycode)\n"
+      "  --threads N     docs and passkey records run in parallel on N threads (default: all cores)\n"
+      "  --stepwise      run the continuation one decoding step at a time (slower, same numbers)\n"
+      "  --mode M        oneshot (default): prefill the context, evict once, continue;\n"
+      "                  chunked: prefill the context in chunks of C, evicting to n_kept after each, then\n"
+      "                  continue without eviction; capped: stream the whole document (context and\n"
+      "                  continuation; passkeys: context, question, answer) in steps of C under n_kept,\n"
+      "                  evicting after every step. A last step shorter than the window joins the one before\n"
+      "  --chunk C       the step of chunked / capped (default 256 / 64; at least the window, 32)\n"
+      "  --share S       head (default), layer or model: which KV heads keep one common set of tokens\n"
+      "  --block B       keep or evict whole blocks of B rows (default 1: tokens), as paged caches do\n"
+      "  --reduce R      max (default) or mean: how shared heads' and a block's scores become one\n"
+      "  --renumber      after each eviction, re-rotate the kept keys to contiguous RoPE positions and\n"
+      "                  continue from each head's length (default: keep the original positions)\n"
+      "  --pages B       the engine keeps its cache in a page pool of B-token pages with one block table,\n"
+      "                  read in place by kvevict, each eviction applying adapters::vllm_plan (as vLLM;\n"
+      "                  needs --share model; positions kept)\n"
+      "  --engines LIST  run every configuration under each engine's mode instead of the layout flags:\n"
+      "                  tensorrt-llm, llama.cpp, sglang, vllm, vllm-pages, openvino, or all (docs/engines.md);\n"
+      "                  each selection goes through the engine's adapter, which may refuse it (oneshot)\n"
+      "  --docs 64 --passkeys 192 is the full protocol of MODEL.md.\n");
 }
 
 std::vector<std::string> split(const std::string& s) {
@@ -286,6 +290,17 @@ Options parse(int argc, char** argv) {
       o.reduce = v == "max" ? kvevict::Reduce::max : kvevict::Reduce::mean;
     } else if (a == "--renumber") {
       o.renumber = true;
+    } else if (a == "--engines") {
+      const std::string v = value();
+      if (v == "all") {
+        for (const demo::EngineMode& m : demo::engine_modes()) o.engines.push_back(&m);
+      } else {
+        for (const std::string& name : split(v)) {
+          const demo::EngineMode* m = demo::find_engine_mode(name);
+          if (!m) throw std::invalid_argument("unknown engine '" + name + "' (see --help)");
+          o.engines.push_back(m);
+        }
+      }
     } else if (a == "--pages") {
       o.pages = integer();
       if (o.pages < 1) throw std::invalid_argument("--pages must be >= 1");
@@ -313,18 +328,24 @@ Options parse(int argc, char** argv) {
     throw std::invalid_argument(
         "--pages needs --share model (one block table for the model) and keeps positions "
         "(no --renumber)");
-  layout_knobs().share = o.share;
-  layout_knobs().block = o.block;
-  layout_knobs().reduce = o.reduce;
+  if (!o.engines.empty() && (o.mode != demo::Mode::oneshot || o.pages > 0 || o.renumber || o.block > 1 ||
+                             o.share != kvevict::Sharing::per_head))
+    throw std::invalid_argument(
+        "--engines sets each engine's layout itself: oneshot mode, without --share, --block, "
+        "--renumber or --pages");
   return o;
 }
 
 // ---- runs -----------------------------------------------------------------------------------------------------
 
-/// One (policy, keep) configuration.
+/// One (policy, keep) configuration, with the layout and the engine it runs on.
 struct RunConfig {
   const PolicyEntry* policy;
-  double keep;  // 1 for the full cache
+  double keep;                               // 1 for the full cache
+  kvevict::Knobs layout;                     // share, block, reduce
+  bool renumber = false;                     // the engine renumbers positions after each eviction (K-shift)
+  Index pages = 0;                           // the engine's page pool (vLLM's plans); 0: slabs
+  const demo::EngineMode* engine = nullptr;  // --engines: the engine whose adapter takes every selection
   bool full() const { return !policy->compress; }
 };
 
@@ -333,19 +354,20 @@ struct Outcome {
   Matrix logits;            // of the tokens run after the compression
   double select_ms = 0;     // the policy's time, all layers
   std::vector<Index> kept;  // cache rows per (layer, KV head) after eviction
+  std::string refused;      // the engine's adapter refused the selections: its message (nothing else is set)
 };
 
 /// The budget contract of `policy` (see BudgetScope) on the selections it made for every layer; throws if the
 /// library handed back something the engine did not ask for. In block mode kept counts round down to whole blocks
 /// (at most the budget); shared heads (and layers) keep identical rows. (Shapes are checked again by compact().)
 void check_budget(const PolicyEntry& policy, const Engine& engine, const std::vector<kvevict::Selection>& selections,
-                  Index n_kept) {
+                  Index n_kept, const kvevict::Knobs& layout) {
   const auto& c = engine.model().config;
   const auto fail = [&](const std::string& what) {
     throw std::logic_error(policy.name + ": " + what + " (n_kept " + std::to_string(n_kept) + ")");
   };
-  const bool blocks = layout_knobs().block.value_or(1) > 1;
-  const kvevict::Sharing share = layout_knobs().share.value_or(kvevict::Sharing::per_head);
+  const bool blocks = layout.block.value_or(1) > 1;
+  const kvevict::Sharing share = layout.share.value_or(kvevict::Sharing::per_head);
   const auto within = [&](Index got, Index budget) { return blocks ? got <= budget : got == budget; };
   if (static_cast<Index>(selections.size()) != c.n_layer) fail("not one selection per layer");
   Index model_total = 0;
@@ -372,17 +394,26 @@ void check_budget(const PolicyEntry& policy, const Engine& engine, const std::ve
 }
 
 /// Compresses a copy of `prefilled` (a prefilled context) with `run`'s policy, then runs `after` on it.
-Outcome continue_with(const RunConfig& run, const Engine& prefilled, const tinycode::eval::Tokens& after, bool stepwise,
-                      bool renumber) {
+Outcome continue_with(const RunConfig& run, const Engine& prefilled, const tinycode::eval::Tokens& after,
+                      bool stepwise) {
   Outcome out;
   Engine engine = prefilled;  // every configuration starts from the same prefill and compresses its own copy
-  engine.renumber_positions(renumber);
+  engine.renumber_positions(run.renumber);
   if (!run.full()) {
     const kvevict::Budget budget = kvevict::Budget::keep_ratio(run.keep);
     const auto t0 = clock_type::now();
-    const std::vector<kvevict::Selection> selections = run.policy->compress(engine, budget);
+    const std::vector<kvevict::Selection> selections = run.policy->compress(engine, budget, run.layout);
     out.select_ms = ms_since(t0);
-    check_budget(*run.policy, engine, selections, static_cast<Index>(budget.n_kept(engine.cache().length(0, 0))));
+    check_budget(*run.policy, engine, selections, static_cast<Index>(budget.n_kept(engine.cache().length(0, 0))),
+                 run.layout);
+    if (run.engine) {
+      try {
+        demo::check_adapter(*run.engine, selections);
+      } catch (const kvevict::invalid_argument& e) {
+        out.refused = e.what();
+        return out;
+      }
+    }
     engine.evict(selections);
   }
   out.kept = engine.kept_lengths();
@@ -416,13 +447,13 @@ Matrix stream(Engine& engine, const RunConfig& run, const tinycode::eval::Tokens
     logits.middleRows(static_cast<Index>(first), static_cast<Index>(last - first)) =
         engine.extend(tokens.data() + first, static_cast<Index>(last - first));
     if (run.full()) continue;
-    run.policy->stream(engine, n, select_ms);
+    run.policy->stream(engine, n, select_ms, run.layout);
     // The streaming contract: every layer (a layer-global policy: the model) back within n per KV head.
     const auto& book = engine.cache().book();
     const Index heads = book.layer(0).kv_heads();
     for (Index l = 0; l < book.layers(); ++l)
       if (run.policy->scope != kvevict::BudgetScope::model &&
-          layout_knobs().share.value_or(kvevict::Sharing::per_head) != kvevict::Sharing::per_model &&
+          run.layout.share.value_or(kvevict::Sharing::per_head) != kvevict::Sharing::per_model &&
           book.layer(l).entries() > heads * n)
         throw std::logic_error(run.policy->name + ": layer " + std::to_string(l) + " holds " +
                                std::to_string(book.layer(l).entries()) + " rows after a streaming eviction to " +
@@ -445,8 +476,8 @@ Index stream_budget(const RunConfig& run, std::size_t context) {
 /// logits of `context` followed by `after`.
 Matrix run_streaming(const tinycode::Model& model, const Options& opt, const RunConfig& run,
                      const tinycode::eval::Tokens& context, const tinycode::eval::Tokens& after, Outcome& out) {
-  Engine engine(model, 32, 0, opt.pages);
-  engine.renumber_positions(opt.renumber);
+  Engine engine(model, 32, 0, run.pages);
+  engine.renumber_positions(run.renumber);
   const Index n = stream_budget(run, context.size());
   Matrix logits(static_cast<Index>(context.size() + after.size()), model.config.vocab);
   if (opt.mode == demo::Mode::capped) {
@@ -471,11 +502,44 @@ double score_once(Engine& prefilled, const std::vector<RunConfig>& runs) {
   return ms_since(t0);
 }
 
+/// The prefilled engines of one record: slabs, and a page pool when a configuration runs on one (the same prefill,
+/// bit for bit; Engine's file comment).
+struct Prefilled {
+  Engine slab;
+  std::vector<std::pair<Index, Engine>> paged;  // (page_rows, engine)
+
+  Prefilled(const tinycode::Model& model, const std::vector<RunConfig>& runs) : slab(model) {
+    for (const RunConfig& run : runs)
+      if (run.pages > 0 &&
+          std::none_of(paged.begin(), paged.end(), [&](const auto& p) { return p.first == run.pages; }))
+        paged.emplace_back(run.pages, Engine(model, 32, 0, run.pages));
+  }
+  /// Runs the context on every engine; returns the slab engine's logits, and its time in *slab_ms.
+  Matrix extend(const tinycode::eval::Tokens& context, double* slab_ms = nullptr) {
+    for (auto& p : paged) p.second.extend(context);
+    const auto t0 = clock_type::now();
+    Matrix logits = slab.extend(context);
+    if (slab_ms) *slab_ms = ms_since(t0);
+    return logits;
+  }
+  /// The KVzip replay where a configuration reads it (score_once); its time on the slab engine.
+  double score(const std::vector<RunConfig>& runs) {
+    for (auto& p : paged) score_once(p.second, runs);
+    return score_once(slab, runs);
+  }
+  const Engine& of(const RunConfig& run) const {
+    for (const auto& p : paged)
+      if (p.first == run.pages) return p.second;
+    return slab;
+  }
+};
+
 /// Continuation loss of one doc under every configuration.
 struct DocResult {
   double prefill_ms = 0;
   std::vector<double> loss, select_ms;   // [configurations]
   std::vector<std::vector<Index>> kept;  // [configurations][layer * kv_head]
+  std::vector<std::string> refused;      // [configurations]: the adapter's message, or empty
 };
 
 DocResult run_doc(const tinycode::Model& model, const tinycode::eval::Tokens& doc, const std::vector<RunConfig>& runs,
@@ -491,46 +555,52 @@ DocResult run_doc(const tinycode::Model& model, const tinycode::eval::Tokens& do
       r.loss.push_back(task.loss(logits.topRows(context_len), logits.bottomRows(logits.rows() - context_len)));
       r.select_ms.push_back(o.select_ms);
       r.kept.push_back(std::move(o.kept));
+      r.refused.emplace_back();
     }
     return r;
   }
-  const bool stepwise = opt.stepwise;
-  Engine prefilled(model, 32, 0, opt.pages);
-  const auto t0 = clock_type::now();
-  const Matrix context_logits = prefilled.extend(task.context);  // full causal attention over 1536 bytes
-  r.prefill_ms = ms_since(t0);
-  const double replay_ms = score_once(prefilled, runs);
+  Prefilled prefilled(model, runs);
+  const Matrix context_logits = prefilled.extend(task.context, &r.prefill_ms);  // full causal attention, 1536 bytes
+  const double replay_ms = prefilled.score(runs);
   for (const RunConfig& run : runs) {
-    Outcome o = continue_with(run, prefilled, after, stepwise, opt.renumber);
-    r.loss.push_back(task.loss(context_logits, o.logits));
+    Outcome o = continue_with(run, prefilled.of(run), after, opt.stepwise);
+    r.loss.push_back(o.refused.empty() ? task.loss(context_logits, o.logits) : 0.0);
     r.select_ms.push_back(o.select_ms + (run.policy->engine_scores ? replay_ms : 0.0));
     r.kept.push_back(std::move(o.kept));
+    r.refused.push_back(std::move(o.refused));
   }
   return r;
 }
 
-/// Passkey retrieval of one record under every configuration: solved flags [configurations].
-std::vector<char> run_passkey(const tinycode::Model& model, const tinycode::eval::PasskeyRecord& record,
-                              const std::vector<RunConfig>& runs, const Options& opt) {
+/// Passkey retrieval of one record under every configuration.
+struct KeyResult {
+  std::vector<char> solved;          // [configurations]
+  std::vector<std::string> refused;  // [configurations]: the adapter's message, or empty
+};
+
+KeyResult run_passkey(const tinycode::Model& model, const tinycode::eval::PasskeyRecord& record,
+                      const std::vector<RunConfig>& runs, const Options& opt) {
   const tinycode::eval::PasskeyTask task(record);
-  std::vector<char> solved;
+  KeyResult r;
+  const auto after = task.after_inputs();
   if (opt.mode != demo::Mode::oneshot) {
-    const auto after = task.after_inputs();
     for (const RunConfig& run : runs) {
       Outcome o;
       const Matrix logits = run_streaming(model, opt, run, task.context, after, o);
-      solved.push_back(task.solved(logits.bottomRows(static_cast<Index>(after.size()))));
+      r.solved.push_back(task.solved(logits.bottomRows(static_cast<Index>(after.size()))));
+      r.refused.emplace_back();
     }
-    return solved;
+    return r;
   }
-  const bool stepwise = opt.stepwise;
-  Engine prefilled(model, 32, 0, opt.pages);
+  Prefilled prefilled(model, runs);
   prefilled.extend(task.context);
-  score_once(prefilled, runs);
-  const auto after = task.after_inputs();
-  for (const RunConfig& run : runs)
-    solved.push_back(task.solved(continue_with(run, prefilled, after, stepwise, opt.renumber).logits));
-  return solved;
+  prefilled.score(runs);
+  for (const RunConfig& run : runs) {
+    Outcome o = continue_with(run, prefilled.of(run), after, opt.stepwise);
+    r.solved.push_back(o.refused.empty() && task.solved(o.logits));
+    r.refused.push_back(std::move(o.refused));
+  }
+  return r;
 }
 
 /// Runs f(0) .. f(n - 1) on `threads` threads; rethrows the first exception.
@@ -598,16 +668,29 @@ int main(int argc, char** argv) {
         if (named) std::printf("kvevict-demo: %s runs in oneshot mode only; skipped\n", p.name.c_str());
         continue;
       }
-      if (!p.compress)
-        runs.push_back({&p, 1.0});
-      else
-        for (double k : opt.keeps) runs.push_back({&p, k});
+      kvevict::Knobs layout;
+      layout.share = opt.share;
+      layout.block = opt.block;
+      layout.reduce = opt.reduce;
+      if (!p.compress) {
+        runs.push_back({&p, 1.0, layout, false, 0, nullptr});
+        continue;
+      }
+      if (opt.engines.empty())
+        for (double k : opt.keeps) runs.push_back({&p, k, layout, opt.renumber, opt.pages, nullptr});
+      for (const demo::EngineMode* m : opt.engines) {
+        layout.share = m->share;
+        layout.block = m->block;
+        for (double k : opt.keeps) runs.push_back({&p, k, layout, m->renumber, m->pages, m});
+      }
     }
 
-    std::printf(
-        "kvevict-demo: tinycode (%s), %zu (policy, keep) configurations, %u threads, mode %s, %s\n",
-        opt.model.string().c_str(), runs.size(), opt.threads, demo::describe_mode(opt.mode, opt.chunk).c_str(),
-        demo::describe_layout(opt.share, opt.block, opt.reduce, opt.renumber, static_cast<long>(opt.pages)).c_str());
+    std::printf("kvevict-demo: tinycode (%s), %zu (policy, keep) configurations, %u threads, mode %s, %s\n",
+                opt.model.string().c_str(), runs.size(), opt.threads, demo::describe_mode(opt.mode, opt.chunk).c_str(),
+                opt.engines.empty() ? demo::describe_layout(opt.share, opt.block, opt.reduce, opt.renumber,
+                                                            static_cast<long>(opt.pages))
+                                          .c_str()
+                                    : "each engine's layout (policy@engine; docs/engines.md)");
     std::printf("continuation loss: docs 0..%zu (%zu of %zu; context 1536 bytes, loss over bytes 1536..2047)\n",
                 n_docs ? n_docs - 1 : 0, n_docs, docs.size());
     std::printf("passkey retrieval: records 0..%zu (%zu of %zu; context = the ~1.8 KB before the question)%s\n",
@@ -616,7 +699,7 @@ int main(int argc, char** argv) {
 
     // Every doc and every passkey record is an independent task (its own engine); results land in fixed slots.
     std::vector<DocResult> doc_results(n_docs);
-    std::vector<std::vector<char>> key_results(n_keys);
+    std::vector<KeyResult> key_results(n_keys);
     std::atomic<std::size_t> done{0};
     std::mutex print_mutex;
     parallel_for(n_docs + n_keys, opt.threads, [&](std::size_t t) {
@@ -640,17 +723,19 @@ int main(int argc, char** argv) {
       r.policy = runs[c].policy->name;
       r.mode = opt.mode;
       r.chunk = static_cast<long>(opt.chunk);
-      r.share = opt.share;
-      r.block = static_cast<long>(opt.block);
-      r.reduce = opt.reduce;
-      r.renumber = opt.renumber;
-      r.pages = static_cast<long>(opt.pages);
+      r.share = runs[c].layout.share.value_or(kvevict::Sharing::per_head);
+      r.block = static_cast<long>(runs[c].layout.block.value_or(1));
+      r.reduce = runs[c].layout.reduce.value_or(kvevict::Reduce::max);
+      r.renumber = runs[c].renumber;
+      r.pages = static_cast<long>(runs[c].pages);
+      if (runs[c].engine) r.engine = runs[c].engine->name;
       r.keep = runs[c].keep;
       r.n_kept = static_cast<long>(kvevict::Budget::keep_ratio(r.keep).n_kept(context_len));
       r.docs = static_cast<long>(n_docs);
       r.prefill_ms = prefill_ms;
       Index kept_min = std::numeric_limits<Index>::max(), kept_max = 0, kept_sum = 0, kept_count = 0;
       for (const DocResult& d : doc_results) {
+        if (r.refused.empty()) r.refused = d.refused[c];
         r.doc_losses.push_back(d.loss[c]);
         r.loss += d.loss[c] / docs_d;
         r.select_ms += d.select_ms[c] / docs_d;
@@ -667,7 +752,8 @@ int main(int argc, char** argv) {
       for (std::size_t k = 0; k < n_keys; ++k) {
         const bool ident = passkeys[k].kind == "ident";
         (ident ? r.ident_total : r.assert_total) += 1;
-        (ident ? r.ident_solved : r.assert_solved) += key_results[k][c] ? 1 : 0;
+        (ident ? r.ident_solved : r.assert_solved) += key_results[k].solved[c] ? 1 : 0;
+        if (r.refused.empty()) r.refused = key_results[k].refused[c];
       }
       records.push_back(std::move(r));
     }

@@ -67,6 +67,8 @@ struct Record {
   kvevict::Reduce reduce = kvevict::Reduce::max;
   bool renumber = false;  // RoPE positions renumbered after each eviction
   long pages = 0;         // the engine's page pool (vLLM): pages of this many tokens; 0: slabs
+  std::string engine;     // --engines: the engine mode (docs/engines.md); empty: the layout flags
+  std::string refused;    // the engine's adapter refused the selections: its message (no numbers then)
   double keep = 1;        // keep ratio; 1 for the full cache
   long n_kept = 0;        // floor(keep * context length)
   long docs = 0;
@@ -79,6 +81,8 @@ struct Record {
   long kept_min = 0, kept_max = 0;
 
   bool full() const { return policy == "full"; }
+  /// The row's name: the policy, @ the engine mode when there is one.
+  std::string label() const { return engine.empty() ? policy : policy + "@" + engine; }
 };
 
 inline nlohmann::json to_json(const Record& r) {
@@ -90,6 +94,8 @@ inline nlohmann::json to_json(const Record& r) {
           {"reduce", kvevict::to_string(r.reduce)},
           {"renumber", r.renumber},
           {"pages", r.pages},
+          {"engine", r.engine},
+          {"refused", r.refused},
           {"keep", r.keep},
           {"n_kept", r.n_kept},
           {"docs", r.docs},
@@ -113,6 +119,8 @@ inline Record from_json(const nlohmann::json& j) {
   r.reduce = j.value("reduce", std::string("max")) == "mean" ? kvevict::Reduce::mean : kvevict::Reduce::max;
   r.renumber = j.value("renumber", false);
   r.pages = j.value("pages", 0L);
+  r.engine = j.value("engine", std::string());
+  r.refused = j.value("refused", std::string());
   r.keep = j.at("keep").get<double>();
   r.n_kept = j.at("n_kept").get<long>();
   r.docs = j.at("docs").get<long>();
@@ -170,10 +178,15 @@ inline void print_table(std::FILE* out, const std::vector<Record>& records) {
                                  records.front().renumber, records.front().pages)
                      .c_str());
   int name_width = 17;  // the longest policy name (ablations and compositions run longer), columns aligned
-  for (const Record& r : records) name_width = std::max(name_width, static_cast<int>(r.policy.size()));
+  for (const Record& r : records) name_width = std::max(name_width, static_cast<int>(r.label().size()));
   std::fprintf(out, "%-*s %5s %6s %8s %8s %8s %8s %9s %10s %7s  %s\n", name_width, "policy", "keep", "n_kept", "loss",
                "vs full", "ident", "assert", "select ms", "prefill ms", "sel/pf", "kept/head mean [min, max]");
   for (const Record& r : records) {
+    if (!r.refused.empty()) {
+      std::fprintf(out, "%-*s %5s %6ld  refused by the engine's adapter: %s\n", name_width, r.label().c_str(),
+                   percent(r.keep).c_str(), r.n_kept, r.refused.c_str());
+      continue;
+    }
     char ident[32], asrt[32], vs[32], kept[64];
     std::snprintf(ident, sizeof ident, "%d/%d", r.ident_solved, r.ident_total);
     std::snprintf(asrt, sizeof asrt, "%d/%d", r.assert_solved, r.assert_total);
@@ -184,7 +197,7 @@ inline void print_table(std::FILE* out, const std::vector<Record>& records) {
       std::snprintf(prefill, sizeof prefill, "%.1f", r.prefill_ms);
       std::snprintf(share, sizeof share, "%.2f%%", r.select_ms / r.prefill_ms * 100.0);
     }
-    std::fprintf(out, "%-*s %5s %6ld %8.4f %8s %8s %8s %9.2f %10s %7s  %s\n", name_width, r.policy.c_str(),
+    std::fprintf(out, "%-*s %5s %6ld %8.4f %8s %8s %8s %9.2f %10s %7s  %s\n", name_width, r.label().c_str(),
                  percent(r.keep).c_str(), r.n_kept, r.loss, vs, ident, asrt, r.select_ms, prefill, share, kept);
   }
 }
@@ -200,14 +213,14 @@ inline void write_chart(const std::string& path, const std::vector<Record>& reco
   for (const Record& r : records) {
     if (r.full())
       full = &r;
-    else if (std::find(names.begin(), names.end(), r.policy) == names.end())
-      names.push_back(r.policy);
+    else if (r.refused.empty() && std::find(names.begin(), names.end(), r.label()) == names.end())
+      names.push_back(r.label());
   }
   std::vector<double> all_x;
   for (const std::string& name : names) {
     std::vector<const Record*> rs;
     for (const Record& r : records)
-      if (r.policy == name) rs.push_back(&r);
+      if (r.refused.empty() && r.label() == name) rs.push_back(&r);
     std::sort(rs.begin(), rs.end(), [](const Record* a, const Record* b) { return a->keep < b->keep; });
     Series l{name, {}, {}}, k{name, {}, {}};
     for (const Record* r : rs) {
@@ -238,7 +251,7 @@ inline std::vector<std::string> check_records(const std::vector<Record>& records
                                               double tolerance = 1e-3) {
   std::vector<std::string> failures;
   const auto fail = [&](const Record& r, const std::string& what) {
-    failures.push_back(r.policy + " at " + percent(r.keep) + ": " + what);
+    failures.push_back(r.label() + " at " + percent(r.keep) + ": " + what);
   };
   bool have_full = false;
   for (const Record& r : records) {
