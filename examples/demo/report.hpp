@@ -274,6 +274,16 @@ inline std::vector<std::string> check_records(const std::vector<Record>& records
     }
   }
   if (!have_full) failures.push_back("--check needs the full cache among the policies");
+  // The page pool (vllm-pages) reads and evicts through the block table what the slabs hold by the same layout
+  // (vllm): every loss and passkey must be the same, bit for bit.
+  for (const Record& paged : records) {
+    if (paged.engine != "vllm-pages") continue;
+    for (const Record& slab : records)
+      if (slab.engine == "vllm" && slab.policy == paged.policy && slab.keep == paged.keep &&
+          (slab.doc_losses != paged.doc_losses || slab.refused != paged.refused ||
+           slab.ident_solved != paged.ident_solved || slab.assert_solved != paged.assert_solved))
+        fail(paged, "the page pool's results differ from the slabs' of the same layout (vllm)");
+  }
   return failures;
 }
 

@@ -243,8 +243,8 @@ class WindowObservation {
   /// h = q / G, prefix then window; L_h = L on a dense layer). The G query
   /// heads of a KV head are visited in order, on one thread; with KVEVICT_OPENMP (core/parallel.hpp) different KV
   /// heads run concurrently, so f may only touch state of KV head q / G. Extra memory O(w L) per thread; keys
-  /// stored in another type than S (half, bfloat16, int8, fp8) are converted once per KV head for its G query heads
-  /// (group_window_logits), which holds the G heads' rows at once: O(G w L) per thread.
+  /// stored in another type than S (half, bfloat16, int8, fp8) or paged are converted or gathered once per KV head
+  /// for its G query heads (group_window_logits), which holds the G heads' rows at once: O(G w L) per thread.
   template <class F>
   void for_each_head(F&& f) const {
     const Index G = shape_.group;
@@ -254,28 +254,27 @@ class WindowObservation {
     };
     detail::parallel_for_with<Scratch>(shape_.kv_heads, [&](Index h, Scratch& scratch) {
       RowMatrix<S>& rows = scratch.rows;
-      if constexpr (!std::is_same_v<std::remove_const_t<KV>, S>) {
-        if (from_queries_) {
-          const auto keys = detail::head_rows(keys_, h, shape_.length(h), keys_scale_);
-          const auto group_logits = [&](auto&& q_win) {
-            detail::group_window_logits<S>(q_win, G, keys, scratch.group_rows, scratch.buffer);
-          };
-          if constexpr (std::is_same_v<std::remove_const_t<Q>, S>) {
-            group_logits([&](Index g) { return queries_.head(h * G + g); });
-          } else {
-            scratch.group_queries.resize(static_cast<std::size_t>(G));
-            for (Index g = 0; g < G; ++g)
-              scratch.group_queries[static_cast<std::size_t>(g)] = queries_.head(h * G + g).template cast<S>();
-            group_logits(
-                [&](Index g) -> const RowMatrix<S>& { return scratch.group_queries[static_cast<std::size_t>(g)]; });
-          }
-          for (Index g = 0; g < G; ++g) {
-            RowMatrix<S>& head = scratch.group_rows[static_cast<std::size_t>(g)];
-            detail::causal_softmax(head, keys_.cols());
-            f(h * G + g, static_cast<const RowMatrix<S>&>(head));
-          }
-          return;
+      // Keys read into a buffer (stored otherwise, or paged): each block once for the group's G query heads.
+      if (from_queries_ && (!std::is_same_v<std::remove_const_t<KV>, S> || keys_.paged())) {
+        const auto keys = detail::head_rows(keys_, h, shape_.length(h), keys_scale_);
+        const auto group_logits = [&](auto&& q_win) {
+          detail::group_window_logits<S>(q_win, G, keys, scratch.group_rows, scratch.buffer);
+        };
+        if constexpr (std::is_same_v<std::remove_const_t<Q>, S>) {
+          group_logits([&](Index g) { return queries_.head(h * G + g); });
+        } else {
+          scratch.group_queries.resize(static_cast<std::size_t>(G));
+          for (Index g = 0; g < G; ++g)
+            scratch.group_queries[static_cast<std::size_t>(g)] = queries_.head(h * G + g).template cast<S>();
+          group_logits(
+              [&](Index g) -> const RowMatrix<S>& { return scratch.group_queries[static_cast<std::size_t>(g)]; });
         }
+        for (Index g = 0; g < G; ++g) {
+          RowMatrix<S>& head = scratch.group_rows[static_cast<std::size_t>(g)];
+          detail::causal_softmax(head, keys_.cols());
+          f(h * G + g, static_cast<const RowMatrix<S>&>(head));
+        }
+        return;
       }
       for (Index q = h * G; q < (h + 1) * G; ++q) {
         if (!from_queries_) {
