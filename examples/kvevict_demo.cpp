@@ -673,7 +673,7 @@ int main(int argc, char** argv) {
       layout.block = opt.block;
       layout.reduce = opt.reduce;
       if (!p.compress) {
-        runs.push_back({&p, 1.0, layout, false, 0, nullptr});
+        runs.push_back({&p, 1.0, layout, opt.renumber, opt.pages, nullptr});  // the flags' engine (no --engines)
         continue;
       }
       if (opt.engines.empty())
@@ -734,8 +734,15 @@ int main(int argc, char** argv) {
       r.docs = static_cast<long>(n_docs);
       r.prefill_ms = prefill_ms;
       Index kept_min = std::numeric_limits<Index>::max(), kept_max = 0, kept_sum = 0, kept_count = 0;
-      for (const DocResult& d : doc_results) {
+      for (const DocResult& d : doc_results)
         if (r.refused.empty()) r.refused = d.refused[c];
+      for (const KeyResult& k : key_results)
+        if (r.refused.empty()) r.refused = k.refused[c];
+      if (!r.refused.empty()) {  // refused for one record is refused: no numbers
+        records.push_back(std::move(r));
+        continue;
+      }
+      for (const DocResult& d : doc_results) {
         r.doc_losses.push_back(d.loss[c]);
         r.loss += d.loss[c] / docs_d;
         r.select_ms += d.select_ms[c] / docs_d;
@@ -753,13 +760,13 @@ int main(int argc, char** argv) {
         const bool ident = passkeys[k].kind == "ident";
         (ident ? r.ident_total : r.assert_total) += 1;
         (ident ? r.ident_solved : r.assert_solved) += key_results[k].solved[c] ? 1 : 0;
-        if (r.refused.empty()) r.refused = key_results[k].refused[c];
       }
       records.push_back(std::move(r));
     }
     const auto full = std::find_if(records.begin(), records.end(), [](const demo::Record& r) { return r.full(); });
     if (full != records.end() && full->loss > 0)
-      for (demo::Record& r : records) r.loss_increase_pct = (r.loss - full->loss) / full->loss * 100.0;
+      for (demo::Record& r : records)
+        if (r.refused.empty()) r.loss_increase_pct = (r.loss - full->loss) / full->loss * 100.0;
 
     std::printf("\n");
     demo::print_table(stdout, records);

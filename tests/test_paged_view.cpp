@@ -145,6 +145,13 @@ struct PagedLayer {
         for (Index j = 0; j < L; ++j) positions[static_cast<std::size_t>(h * L + j)] = p += 1 + (j % 3 == h % 2);
       }
       ppos = std::make_unique<PagedCopy<std::int64_t>>(positions, Hkv, L, 1, table, page_rows, pool_pages, layout);
+      // Rows past a head's length inside its pages hold the filler too: a read past L_h fails like one off the table.
+      for (Index h = 0; h < Hkv; ++h)
+        for (Index r = lengths[static_cast<std::size_t>(h)]; r < L; ++r) {
+          std::fill_n(pk->view.row(h, r), d, filler<T>());
+          std::fill_n(pv->view.row(h, r), d, filler<T>());
+          if (pks) *pks->view.row(h, r) = *pvs->view.row(h, r) = filler<float>();
+        }
       for (auto* in : {&contiguous, &paged}) in->lengths = lengths.data();
       contiguous.positions = kvevict::positions_heads_major(positions.data(), Hkv, L);
       paged.positions = ppos->view;
@@ -159,8 +166,8 @@ bool same(const Selection& a, const Selection& b) {
 
 /// Every catalogue policy under every engine layout selects the same through both views of a two-layer model.
 template <class T>
-void same_through_pages(Rng& rng, Index page_rows, PageLayout layout, bool ragged, int& compared) {
-  const Shape s{8, 2, 4, 72, 16};
+void same_through_pages(Rng& rng, Index page_rows, PageLayout layout, bool ragged, int& compared, int L = 72) {
+  const Shape s{8, 2, 4, L, 16};
   std::vector<std::unique_ptr<PagedLayer<T>>> layers;
   std::vector<kvevict::LayerInputs<T, float, float>> contiguous, paged;
   for (int l = 0; l < 2; ++l) {
@@ -235,6 +242,9 @@ TEST_CASE("paged views: bad page tables and whole-head reads are refused by name
                        kvevict::invalid_argument, MessageContains("got -1"));
   CHECK_THROWS_MATCHES(kvevict::kv_paged_tokens_major<float>(pool.data(), 4, table, 5, 0, 2, 3),
                        kvevict::invalid_argument, MessageContains("page_rows must be >= 1, got 0"));
+  const std::int32_t repeated[] = {3, 0, 3};
+  CHECK_THROWS_MATCHES(kvevict::kv_paged_tokens_major<float>(pool.data(), 4, repeated, 5, 2, 2, 3),
+                       kvevict::invalid_argument, MessageContains("the page table lists page 3 twice"));
   CHECK_THROWS_MATCHES(kvevict::kv_paged_tokens_major<float>(pool.data(), 4, nullptr, 5, 2, 2, 3),
                        kvevict::invalid_argument, MessageContains("the page table must not be null for 5 rows"));
   const std::int32_t good[] = {3, 0, 2};
@@ -270,6 +280,19 @@ TEMPLATE_TEST_CASE(
         same_through_pages<T>(rng, page_rows, layout, ragged, compared);
       }
   CHECK(compared > 400);
+}
+
+TEMPLATE_TEST_CASE(
+    "paged views: layers of several blocks (600 rows: blocks start inside pages) select as the "
+    "contiguous view, pages of 16 and one page holding them all",
+    "[views][paged]", float, std::int8_t) {
+  using T = TestType;
+  Rng rng(3604);
+  int compared = 0;
+  for (const Index page_rows : {Index{16}, Index{1024}})
+    for (const bool ragged : {false, true})
+      same_through_pages<T>(rng, page_rows, PageLayout::tokens_major, ragged, compared, 600);
+  CHECK(compared > 100);
 }
 
 TEST_CASE(

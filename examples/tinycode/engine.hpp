@@ -299,19 +299,15 @@ class Engine {
     const Index evicted = kvevict::evict_over_budget(
         policy, cache_.book(), n, [&](Index l) { return eviction_inputs(l, window_of(policy)); },
         [&](Index l, const kvevict::Selection& s) {
-          if (cache_.paged())
-            due.push_back(s);
-          else
-            evict(l, s);
+          if (!cache_.paged()) return evict(l, s);
+          due.push_back(s);  // the plan takes every layer at once, inside the step (a refusal ends nothing)
+          if (static_cast<Index>(due.size()) == model_->config.n_layer) evict(due);
         });
-    if (cache_.paged() && evicted > 0) {
-      if (evicted != model_->config.n_layer)
-        throw std::logic_error(
-            "Engine::evict_over_budget: a paged cache evicts every layer at once (share = "
-            "per_model); " +
-            std::to_string(evicted) + " layers were due");
-      evict(due);
-    }
+    if (cache_.paged() && evicted > 0 && evicted != model_->config.n_layer)
+      throw std::logic_error(
+          "Engine::evict_over_budget: a paged cache evicts every layer at once (share = "
+          "per_model); " +
+          std::to_string(evicted) + " layers were due");
     if (stats) stats->select_ms += std::chrono::duration<double, std::milli>(clock::now() - t0).count();
     return evicted;
   }

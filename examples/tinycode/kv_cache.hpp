@@ -138,12 +138,17 @@ class KVCache {
 
   /// A paged cache keeps what `selections` [layers] chose, as vLLM would apply it: kvevict::adapters::vllm_plan
   /// (positions kept) gives the slot copies, done in order on every layer's keys and values, the new block table
-  /// and the freed pages (back to the free list); the book then compacts positions and lengths. Returns the plan.
+  /// and the freed pages (back to the free list), after the book compacts positions and lengths. A selection the
+  /// table cannot hold (other rows per head or layer) is refused by the plan before anything changes.
   kvevict::adapters::VllmPlan evict_pages(const std::vector<kvevict::Selection>& selections) {
     if (!paged()) throw std::logic_error("KVCache::evict_pages: the cache is not paged");
+    if (static_cast<Index>(selections.size()) != layers_)
+      throw std::invalid_argument("KVCache::evict_pages: needs one selection per layer");
     const std::vector<std::int64_t> table(table_.begin(), table_.end());
-    const kvevict::adapters::VllmPlan plan =
+    const kvevict::adapters::VllmPlan plan =  // refuses what one table cannot hold, before anything changes
         kvevict::adapters::vllm_plan(selections, table, page_rows_, kvevict::adapters::Positions::kept);
+    // The book first: its checks throw before it changes, and every layer keeps the same set (the plan checked).
+    for (Index l = 0; l < layers_; ++l) book_.layer(l).apply(selections[static_cast<std::size_t>(l)]);
     const Index token = kv_heads_ * head_dim_;  // a slot: one token's rows of every KV head
     for (Index l = 0; l < layers_; ++l)
       for (std::vector<float>* pool : {&keys_, &values_}) {
@@ -154,7 +159,6 @@ class KVCache {
       }
     table_.assign(plan.block_table.begin(), plan.block_table.end());
     free_pages_.insert(free_pages_.end(), plan.freed_blocks.rbegin(), plan.freed_blocks.rend());
-    for (Index l = 0; l < layers_; ++l) book_.layer(l).apply(selections[static_cast<std::size_t>(l)]);
     return plan;
   }
 

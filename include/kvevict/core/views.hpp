@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "kvevict/core/error.hpp"
 
@@ -66,10 +67,17 @@ class HeadsView {
     detail::require(pages.pool_pages >= 0 && pages.page_stride >= 0, where, "pool_pages (", pages.pool_pages,
                     ") and page_stride (", pages.page_stride, ") must be >= 0");
     detail::require(pages.table != nullptr || rows == 0, where, "the page table must not be null for ", rows, " rows");
-    for (Index p = 0; p * pages.page_rows < rows; ++p)
+    const Index used = (rows + pages.page_rows - 1) / pages.page_rows;
+    for (Index p = 0; p < used; ++p)
       detail::require(pages.table[p] >= 0 && pages.table[p] < pages.pool_pages, where, "page table entry ", p,
                       " (rows ", p * pages.page_rows, "..", std::min(rows, (p + 1) * pages.page_rows) - 1,
                       ") must be a page of the pool, in [0, ", pages.pool_pages, "), got ", pages.table[p]);
+    // Distinct pages: two entries on one page would make in-place compaction overwrite rows it still reads.
+    std::vector<std::int32_t> ids(pages.table, pages.table + used);
+    std::sort(ids.begin(), ids.end());
+    const auto repeat = std::adjacent_find(ids.begin(), ids.end());
+    detail::require(repeat == ids.end(), where, "the page table lists page ", repeat == ids.end() ? 0 : *repeat,
+                    " twice; each page holds rows of one place in the view");
     pages_ = pages;
   }
 
