@@ -293,12 +293,13 @@ Options parse(int argc, char** argv) {
     } else if (a == "--engines") {
       const std::string v = value();
       if (v == "all") {
-        for (const demo::EngineMode& m : demo::engine_modes()) o.engines.push_back(&m);
+        for (const demo::EngineMode& m : demo::engine_modes())
+          if (std::find(o.engines.begin(), o.engines.end(), &m) == o.engines.end()) o.engines.push_back(&m);
       } else {
         for (const std::string& name : split(v)) {
           const demo::EngineMode* m = demo::find_engine_mode(name);
           if (!m) throw std::invalid_argument("unknown engine '" + name + "' (see --help)");
-          o.engines.push_back(m);
+          if (std::find(o.engines.begin(), o.engines.end(), m) == o.engines.end()) o.engines.push_back(m);
         }
       }
     } else if (a == "--pages") {
@@ -524,7 +525,12 @@ struct Prefilled {
   }
   /// The KVzip replay where a configuration reads it (score_once); its time on the slab engine.
   double score(const std::vector<RunConfig>& runs) {
-    for (auto& p : paged) score_once(p.second, runs);
+    for (auto& p : paged) {  // only where a configuration on that pool reads the scores
+      std::vector<RunConfig> on_pool;
+      for (const RunConfig& run : runs)
+        if (run.pages == p.first) on_pool.push_back(run);
+      score_once(p.second, on_pool);
+    }
     return score_once(slab, runs);
   }
   const Engine& of(const RunConfig& run) const {
