@@ -41,7 +41,7 @@ inline void to_float(const Eigen::half* in, float* out, Index n) {
 /// block of a row-major matrix).
 template <class S, class Src, class Dst>
 void convert_rows_to(const Src& src, Dst&& dst) {
-  static_assert(!is_quantized_v<typename Src::Scalar>, "convert_rows: quantized storage is read with read_rows");
+  static_assert(!is_quantized_v<typename Src::Scalar>, "convert_rows_to: quantized storage is read with read_rows_to");
   using T = std::remove_const_t<typename Src::Scalar>;
   if constexpr (std::is_same_v<S, float> && (std::is_same_v<T, Eigen::half> || std::is_same_v<T, Eigen::bfloat16>)) {
     for (Index r = 0; r < src.rows(); ++r) to_float(src.row(r).data(), dst.row(r).data(), src.cols());
@@ -50,16 +50,9 @@ void convert_rows_to(const Src& src, Dst&& dst) {
   }
 }
 
-/// dst [rows, cols] = src in the arithmetic type S.
-template <class S, class Src>
-void convert_rows(const Src& src, RowMatrix<S>& dst) {
-  dst.resize(src.rows(), src.cols());
-  convert_rows_to<S>(src, dst);
-}
-
 /// dst = the values of src (a block of rows of one KV head: unit inner stride) in S, dst already sized: quantized
 /// storage dequantized in float, row r times scale(r) (docs/algorithms.md#quantized), then widened to S; any other
-/// storage converted as it is (convert_rows; `scale` unused).
+/// storage converted as it is (convert_rows_to; `scale` unused).
 template <class S, class Src, class Dst>
 void read_rows_to(const Src& src, const RowScale& scale, Dst&& dst) {
   using T = std::remove_const_t<typename Src::Scalar>;
@@ -76,13 +69,6 @@ void read_rows_to(const Src& src, const RowScale& scale, Dst&& dst) {
   } else {
     convert_rows_to<S>(src, dst);
   }
-}
-
-/// dst [rows, cols] = the values of src in S (read_rows_to).
-template <class S, class Src>
-void read_rows(const Src& src, const RowScale& scale, RowMatrix<S>& dst) {
-  dst.resize(src.rows(), src.cols());
-  read_rows_to<S>(src, scale, dst);
 }
 
 /// Rows [0, rows) of head `head` of a keys or values view, with the factors that dequantize them: what the stages
@@ -108,7 +94,7 @@ HeadRows<T> head_rows(const HeadsView<const T>& view, Index h, Index rows = -1, 
 template <class S>
 using RowsRef = Eigen::Ref<const RowMatrix<S>, 0, Eigen::OuterStride<>>;
 
-/// dst [n, cols] = rows [j0, j0 + n) of `rows` in S (read_rows), one run within a page at a time.
+/// dst [n, cols] = rows [j0, j0 + n) of `rows` in S (read_rows_to), one run within a page at a time.
 template <class S, class T>
 void read_block(const HeadRows<T>& rows, Index j0, Index n, RowMatrix<S>& dst) {
   KVEVICT_ASSERT(j0 >= 0 && n >= 0 && j0 + n <= rows.rows);

@@ -158,7 +158,7 @@ void softmax_window_rows(const QMat& q_win, const HeadRows<KV>& k, RowMatrix<S>&
 }
 
 /// The logits of the G query heads of one KV head whose keys are stored in another type than S: each block of keys
-/// is converted once (read_rows) and multiplied by every head's queries, so the conversion is paid once per KV
+/// is converted once (read_block) and multiplied by every head's queries, so the conversion is paid once per KV
 /// head, not G times. rows[g] [w, L] receives q_win(g) k^T, with the same block products as window_logits (bit for
 /// bit the same logits); q_win(g) is query head g of the group, [w, d] in S.
 template <class S, class QOf, class KV>
