@@ -8,7 +8,8 @@
 /// errors (invalid_argument); ragged caches with original positions (LayerInputs::lengths/positions) and eviction while
 /// the cache grows (CacheBook, evict_over_budget); selections shared across heads or layers and made of blocks
 /// (LayoutParams: share, reduce, block; Selection::blocks, compaction_plan) and RoPE re-rotation of kept keys
-/// (rerotate); int8 and fp8 caches with their scales (float8_e4m3, float8_e5m2, KVScale). Writing a new selector or
+/// (rerotate); int8 and fp8 caches with their scales (float8_e4m3, float8_e5m2, KVScale); the collectives of a
+/// sharded model (shard::Communicator, shard::top_k_counts: docs/algorithms.md#sharded). Writing a new selector or
 /// allocation: <kvevict/extend.hpp> and docs/extending.md. Semantics of every stage: docs/algorithms.md.
 
 #include "kvevict/core/budget.hpp"
@@ -29,6 +30,9 @@
 
 #include "kvevict/layout/params.hpp"
 #include "kvevict/rope/rerotate.hpp"
+
+#include "kvevict/shard/communicator.hpp"
+#include "kvevict/shard/top_k.hpp"
 
 #include "kvevict/stream/cache_book.hpp"
 #include "kvevict/stream/evict.hpp"
