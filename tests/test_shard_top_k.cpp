@@ -14,6 +14,7 @@
 #include "support/cases.hpp"
 #include "support/matchers.hpp"
 #include "support/random_inputs.hpp"
+#include "support/shard_models.hpp"
 #include "support/thread_communicator.hpp"
 
 namespace test_shard_top_k {  // this file's scope in unity builds (tests/CMakeLists.txt)
@@ -23,76 +24,13 @@ using kvevict::extend::ScoreMap;
 using kvevict::extend::Tier;
 using kvevict::shard::Communicator;
 using kvevict::shard::ShardMap;
+using kvevict_test::part_heads;
+using kvevict_test::random_map;
 using kvevict_test::Rng;
+using kvevict_test::rows_of;
+using kvevict_test::shard_sz;
 
 namespace {
-
-std::size_t sz(Index v) { return static_cast<std::size_t>(v); }
-
-// A layer's map with ties: scores from four values or continuous, every tier, ragged lengths and shared or
-// per-head positions at random.
-ScoreMap<double> random_map(Rng& rng, Index heads, Index tokens) {
-  ScoreMap<double> m(heads, tokens);
-  std::uniform_real_distribution<double> u(0.0, 1.0);
-  const bool ties = u(rng) < 0.5, ragged = u(rng) < 0.4, positioned = u(rng) < 0.5, shared = u(rng) < 0.5;
-  if (ragged) {
-    for (Index h = 0; h < heads; ++h) m.lengths.push_back(1 + static_cast<Index>(u(rng) * static_cast<double>(tokens)));
-    m.lengths[sz(static_cast<Index>(u(rng) * static_cast<double>(heads)))] = tokens;  // the longest holds `tokens`
-  }
-  if (positioned) {
-    m.position.assign(sz(heads * tokens), 0);
-    std::vector<std::int64_t> common(sz(tokens));
-    std::int64_t p = 0;
-    for (auto& c : common) c = (p += 1 + static_cast<std::int64_t>(u(rng) * 3));
-    for (Index h = 0; h < heads; ++h) {
-      std::int64_t q = 0;
-      for (Index j = 0; j < tokens; ++j)
-        m.position[m.flat(h, j)] = shared ? common[sz(j)] : (q += 1 + static_cast<std::int64_t>(u(rng) * 3));
-    }
-  }
-  for (Index h = 0; h < heads; ++h)
-    for (Index j = 0; j < tokens; ++j) {
-      const std::size_t f = m.flat(h, j);
-      if (j >= m.length(h)) {
-        m.tier[f] = Tier::absent;
-        continue;
-      }
-      const double t = u(rng);
-      m.tier[f] = t < 0.7 ? Tier::scored : t < 0.8 ? Tier::forced : t < 0.9 ? Tier::window : Tier::safeguard;
-      m.score[f] = m.tier[f] == Tier::window ? 0.0 : ties ? 0.25 * std::floor(u(rng) * 4) : u(rng);
-    }
-  return m;
-}
-
-// Rows `heads` (global ids, ascending) of map m.
-ScoreMap<double> rows_of(const ScoreMap<double>& m, const std::vector<Index>& heads) {
-  ScoreMap<double> s(static_cast<Index>(heads.size()), m.tokens);
-  for (std::size_t i = 0; i < heads.size(); ++i) {
-    const Index h = heads[i];
-    if (!m.lengths.empty()) s.lengths.push_back(m.length(h));
-    for (Index j = 0; j < m.tokens; ++j) {
-      s.score[s.flat(static_cast<Index>(i), j)] = m.score[m.flat(h, j)];
-      s.tier[s.flat(static_cast<Index>(i), j)] = m.tier[m.flat(h, j)];
-    }
-  }
-  if (!m.position.empty()) {
-    s.position.assign(s.score.size(), 0);
-    for (std::size_t i = 0; i < heads.size(); ++i)
-      for (Index j = 0; j < m.tokens; ++j)
-        s.position[s.flat(static_cast<Index>(i), j)] = m.position[m.flat(heads[i], j)];
-  }
-  return s;
-}
-
-// The KV heads of tensor-parallel part t of `parts`: contiguous (as engines split them) or dealt round-robin.
-std::vector<Index> part_heads(Index heads, int parts, int t, bool contiguous) {
-  std::vector<Index> out;
-  for (Index h = 0; h < heads; ++h) {
-    const int owner = contiguous ? static_cast<int>(h * parts / heads) : static_cast<int>(h % parts);
-    if (owner == t) out.push_back(h);
-  }
-  return out;
-}
 
 Index competing(const std::vector<ScoreMap<double>>& layers, bool scored_only) {
   Index n = 0;
@@ -143,7 +81,7 @@ TEST_CASE("sharded top-k equals the unsharded one for every split of heads and l
         if (static_cast<int>(l * pp / used_layers) != stage) continue;
         std::vector<Index> hs = part_heads(heads, tp, part, contiguous);
         if (hs.empty()) continue;
-        local.push_back(rows_of(model[sz(l)], hs));
+        local.push_back(rows_of(model[shard_sz(l)], hs));
         mine.emplace_back(l, hs);
       }
       std::vector<ShardMap<double>> maps;
@@ -158,7 +96,7 @@ TEST_CASE("sharded top-k equals the unsharded one for every split of heads and l
         for (std::size_t i = 0; i < hs.size(); ++i) {
           INFO("case " << c << ", rank " << r << " of tp " << tp << " x pp " << pp << ", layer " << layer << ", head "
                        << hs[i] << ", k " << k_used);
-          CHECK(got[r][m][i] == expected[sz(layer)][sz(hs[i])]);
+          CHECK(got[r][m][i] == expected[shard_sz(layer)][shard_sz(hs[i])]);
           ++compared;
         }
       }

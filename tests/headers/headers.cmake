@@ -10,6 +10,12 @@ set(_kvevict_include_root "${PROJECT_SOURCE_DIR}/include")
 file(GLOB_RECURSE KVEVICT_PUBLIC_HEADERS CONFIGURE_DEPENDS RELATIVE "${_kvevict_include_root}"
      "${_kvevict_include_root}/kvevict/*.hpp" "${_kvevict_include_root}/kvevict/*.h")
 list(SORT KVEVICT_PUBLIC_HEADERS)
+# <kvevict/shard/mpi.hpp> needs <mpi.h>: checked where MPI is found (scripts/install-deps installs Open MPI).
+set(MPI_CXX_SKIP_MPICXX ON)  # MPI's C API only
+find_package(MPI COMPONENTS CXX QUIET)
+if(NOT MPI_CXX_FOUND)
+  list(REMOVE_ITEM KVEVICT_PUBLIC_HEADERS "kvevict/shard/mpi.hpp")
+endif()
 if(NOT KVEVICT_PUBLIC_HEADERS)
   message(FATAL_ERROR "headers.cmake: no headers found under ${_kvevict_include_root}/kvevict")
 endif()
@@ -39,6 +45,9 @@ function(_kvevict_add_header_check target standard)
 endfunction()
 
 _kvevict_add_header_check(kvevict_header_check 17 ${_kvevict_header_check_sources})
+if(MPI_CXX_FOUND)
+  target_link_libraries(kvevict_header_check PRIVATE MPI::MPI_CXX)
+endif()
 if("cxx_std_20" IN_LIST CMAKE_CXX_COMPILE_FEATURES)
   _kvevict_add_header_check(kvevict_header_check_cxx20 20 "${_kvevict_header_check_dir}/kvevict_kvevict_hpp.cpp")
 endif()

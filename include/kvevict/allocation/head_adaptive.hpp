@@ -33,10 +33,12 @@ struct HeadAdaptiveAllocation {
 
   /// Per-head budgets [kv_heads], summing to budget.total (kvpress variant). The kvpress variant promotes each
   /// head's top int(n_kept * alpha) entries to the safeguard tier of `scores`, so that the per-head selection that
-  /// follows reproduces the flat top-k exactly.
-  template <class S>
-  std::vector<Index> allocate(extend::ScoreMap<S>& scores, const extend::LayerBudget& budget) const {
-    if (params_.variant == Variant::original) return allocate_original(scores, budget);
+  /// follows reproduces the flat top-k exactly. `top_k` ranks across the layer's heads (extend::LocalTopK; over
+  /// tensor-parallel ranks, shard::LayerTopK).
+  template <class S, class TopK = extend::LocalTopK>
+  std::vector<Index> allocate(extend::ScoreMap<S>& scores, const extend::LayerBudget& budget,
+                              const TopK& top_k = TopK{}) const {
+    if (params_.variant == Variant::original) return allocate_original(scores, budget, top_k);
     const auto n_safe = static_cast<Index>(static_cast<double>(budget.n_kept) * params_.alpha);
     if (n_safe > 0) {
       extend::KeepFlags safe(scores.score.size(), 0);
@@ -47,12 +49,13 @@ struct HeadAdaptiveAllocation {
           scores.promote(static_cast<Index>(f) / scores.tokens, static_cast<Index>(f) % scores.tokens,
                          extend::Tier::safeguard);
     }
-    return extend::top_k_counts(scores, budget.total);
+    return top_k(scores, budget.total, [](std::size_t) { return true; });
   }
 
  private:
-  template <class S>
-  std::vector<Index> allocate_original(const extend::ScoreMap<S>& scores, const extend::LayerBudget& budget) const {
+  template <class S, class TopK>
+  std::vector<Index> allocate_original(const extend::ScoreMap<S>& scores, const extend::LayerBudget& budget,
+                                       const TopK& top_k) const {
     if (budget.protected_prefix > 0)
       throw invalid_argument(
           "kvevict::HeadAdaptiveAllocation (variant original): a protected prefix is not supported (its formula "
@@ -61,8 +64,8 @@ struct HeadAdaptiveAllocation {
     const auto n_kept = static_cast<Index>(budget.n_kept);
     if (n_kept <= w) return std::vector<Index>(static_cast<std::size_t>(scores.heads), n_kept);  // L_h > w
     const Index prefix_budget = n_kept - w;
-    std::vector<Index> b = extend::top_k_counts(scores, scores.heads * prefix_budget,
-                                                [&](std::size_t f) { return scores.tier[f] == extend::Tier::scored; });
+    std::vector<Index> b = top_k(scores, top_k.heads(scores) * prefix_budget,
+                                 [&](std::size_t f) { return scores.tier[f] == extend::Tier::scored; });
     const double floor_share = std::floor(params_.alpha * static_cast<double>(prefix_budget));
     for (Index h = 0; h < scores.heads; ++h) {  // std::nearbyint rounds half to even in the default rounding mode
       Index& count = b[static_cast<std::size_t>(h)];

@@ -7,6 +7,7 @@
 
 #include "kvevict/allocation/layer_budget.hpp"
 #include "kvevict/ranking/score_map.hpp"
+#include "kvevict/ranking/topk.hpp"
 
 namespace kvevict {
 
@@ -21,9 +22,10 @@ struct UniformAllocation {
   UniformAllocation() = default;
   explicit UniformAllocation(const Params&) {}
 
-  /// Per-head budgets [kv_heads].
-  template <class S>
-  std::vector<Index> allocate(extend::ScoreMap<S>& scores, const extend::LayerBudget& budget) const {
+  /// Per-head budgets [kv_heads]. No ranking across heads: `top_k` (extend::LocalTopK) is not called.
+  template <class S, class TopK = extend::LocalTopK>
+  std::vector<Index> allocate(extend::ScoreMap<S>& scores, const extend::LayerBudget& budget,
+                              const TopK& /*top_k*/ = TopK{}) const {
     std::vector<Index> b(static_cast<std::size_t>(scores.heads));
     for (Index h = 0; h < scores.heads; ++h)
       b[static_cast<std::size_t>(h)] = std::min(static_cast<Index>(budget.n_kept), scores.length(h));

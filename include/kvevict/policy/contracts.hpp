@@ -175,6 +175,26 @@ struct has_window : std::true_type {};
 template <class T>
 struct has_window<T, std::void_t<decltype(T::has_window())>> : std::bool_constant<T::has_window()> {};
 
+/// Whether a Selector scores each KV head from that head's inputs alone (no sum, maximum or normalisation across the
+/// layer's heads, outside reference_quirks), so that a layer split across tensor-parallel ranks scores alike on every
+/// rank (docs/algorithms.md#sharded): false unless it declares
+///   static constexpr bool scores_heads_alone() { return true; }
+template <class T, class = void>
+struct scores_heads_alone : std::false_type {};
+template <class T>
+struct scores_heads_alone<T, std::void_t<decltype(T::scores_heads_alone())>>
+    : std::bool_constant<T::scores_heads_alone()> {};
+
+/// Whether an Allocation takes the top-k it ranks across heads with (extend::LocalTopK, shard::LayerTopK):
+///   template <class S, class TopK> std::vector<Index> allocate(ScoreMap<S>&, const LayerBudget&, const TopK&) const;
+template <class T, class TopK, class = void>
+struct allocates_with_top_k : std::false_type {};
+template <class T, class TopK>
+struct allocates_with_top_k<T, TopK,
+                            std::void_t<decltype(std::declval<const T&>().allocate(
+                                std::declval<extend::ScoreMap<float>&>(), std::declval<const extend::LayerBudget&>(),
+                                std::declval<const TopK&>()))>> : std::true_type {};
+
 /// An Allocation whose budget spans the model's layers (LayerGlobalAllocation) declares
 ///   template <class S> std::vector<std::vector<Index>> allocate_model(const std::vector<const ScoreMap<S>*>& layers,
 ///                                                                    Index total) const;

@@ -24,6 +24,7 @@
 #include "kvevict/policy/contracts.hpp"
 #include "kvevict/selectors/attention_selector.hpp"
 #include "kvevict/selectors/selector.hpp"
+#include "kvevict/shard/layer_shard.hpp"
 
 namespace kvevict {
 
@@ -123,6 +124,18 @@ class Policy {
       detail::require(layers >= 1 && layer >= 0 && layer < layers, where.c_str(), "layer must be in [0, ", layers,
                       ") (the model's layers), got ", layer);
     return select_one<S>(in, budget, where, {layer, layers});
+  }
+
+  /// This rank's part of a layer whose KV heads are split across tensor-parallel ranks (docs/algorithms.md#sharded):
+  /// `in` holds the heads shard.kv_heads (their query heads and W_o columns), and every rank of shard.comm calls this
+  /// with its own part. Keeps, for these heads, exactly what select(whole layer, budget) keeps. Needs a policy that
+  /// scores each head alone and allocates per layer (SnapKV, AdaKV, CriticalKV, CriticalSnapKV, KNorm, KeyDiff, H2O,
+  /// StreamingLLM, EngineScores), per head and token, without reference_quirks, and a count budget; anything else
+  /// is refused by name. Errors are thrown on every rank (no rank is left waiting at a collective).
+  template <class S = float, class KV, class Q, class W>
+  Selection select(const LayerInputs<KV, Q, W>& in, const Budget& budget, const shard::LayerShard& shard) const {
+    return select_sharded<S>(in, budget, shard,
+                             name_ + "::select (sharded, layer " + std::to_string(shard.layer) + ")");
   }
 
  private:
@@ -285,13 +298,107 @@ class Policy {
       return run(scored, where, no_refinement).front();
   }
 
+  /// docs/algorithms.md#sharded. Every check that can fail on one rank alone is agreed on all (require_on_every_rank)
+  /// before the next collective.
+  template <class S, class KV, class Q, class W>
+  Selection select_sharded(const LayerInputs<KV, Q, W>& in, const Budget& budget, const shard::LayerShard& shard,
+                           const std::string& where) const {
+    const char* at = where.c_str();
+    detail::require(shard.comm != nullptr, at, "the shard needs a communicator (LayerShard::comm)");
+    // What every rank knows alike: the policy and the budget form. Refused the same way on every rank.
+    constexpr bool shardable = detail::scores_heads_alone<SelectorType>::value && !allocates_model() && !scheduled() &&
+                               detail::allocates_with_top_k<Allocation, shard::LayerTopK>::value;
+    if constexpr (!shardable) {
+      throw invalid_argument(detail::concat(
+          "kvevict::", where, ": ", detail::name_of<SelectorType>(), " on ", detail::name_of<Allocation>(),
+          " looks across heads or layers beyond one top-k of the layer; sharded selection takes SnapKV, AdaKV, "
+          "CriticalKV, CriticalSnapKV, KNorm, KeyDiff, H2O, StreamingLLM and EngineScores so far"));
+    } else {
+      return select_shardable<S>(in, budget, shard, where);
+    }
+  }
+
+  template <class S, class KV, class Q, class W>
+  Selection select_shardable(const LayerInputs<KV, Q, W>& in, const Budget& budget, const shard::LayerShard& shard,
+                             const std::string& where) const {
+    const char* at = where.c_str();
+    shard::Communicator& comm = *shard.comm;
+    detail::require(params_.per_head_tokens() && !params_.reference_quirks, at,
+                    "sharded selection is per head and token (share per_head, block 1) and without reference_quirks");
+    detail::require(!budget.is_threshold(), at,
+                    "sharded selection takes a count budget (tokens, keep ratio, "
+                    "compression ratio), not a threshold");
+    // This rank's inputs, then every head's length (the budget is resolved against the whole layer).
+    std::string failed;
+    extend::LayerShape shape;
+    const auto message = [&](const invalid_argument& e) {
+      const std::string text = e.what(), prefix = "kvevict::" + where + ": ";
+      return text.compare(0, prefix.size(), prefix) == 0 ? text.substr(prefix.size()) : text;
+    };
+    try {
+      shape = detail::validate_inputs(in, params_.window, at, reads_observation());
+      detail::require(static_cast<Index>(shard.kv_heads.size()) == shape.kv_heads, at, "the shard names ",
+                      shard.kv_heads.size(), " KV heads (LayerShard::kv_heads), the inputs hold ", shape.kv_heads);
+    } catch (const invalid_argument& e) {
+      failed = message(e);
+    }
+    shard::require_on_every_rank(comm, failed.empty(), at, failed);
+    std::vector<std::int64_t> mine;
+    for (Index h = 0; h < shape.kv_heads; ++h)
+      mine.insert(mine.end(), {static_cast<std::int64_t>(shard.kv_heads[static_cast<std::size_t>(h)]),
+                               static_cast<std::int64_t>(shape.length(h)), static_cast<std::int64_t>(shape.group)});
+    const std::vector<std::vector<std::int64_t>> all = shard::all_gather(comm, mine);
+    std::size_t heads = 0;
+    for (const std::vector<std::int64_t>& rank : all) heads += rank.size() / 3;
+    std::vector<std::int64_t> lengths(heads, 0);  // [the layer's KV heads] by global id
+    std::int64_t group = -1;
+    for (const std::vector<std::int64_t>& rank : all)
+      for (std::size_t i = 0; i + 2 < rank.size(); i += 3) {
+        const std::int64_t id = rank[i];
+        detail::require(id >= 0 && id < static_cast<std::int64_t>(heads), at, "KV head id ", id, " must be in [0, ",
+                        heads, ") (the ranks hold ", heads, " KV heads of the layer)");
+        detail::require(lengths[static_cast<std::size_t>(id)] == 0, at, "KV head ", id, " is held by two ranks");
+        detail::require(group < 0 || group == rank[i + 2], at, "every rank's query heads per KV head must agree (",
+                        group, " and ", rank[i + 2], ")");
+        lengths[static_cast<std::size_t>(id)] = rank[i + 1];
+        group = rank[i + 2];
+      }
+    extend::LayerShape whole = shape;  // the layer's shape on all ranks, for the budget
+    whole.kv_heads = static_cast<Index>(lengths.size());
+    whole.query_heads = whole.kv_heads * shape.group;
+    whole.tokens = *std::max_element(lengths.begin(), lengths.end());
+    whole.prefix = whole.tokens - whole.window;
+    whole.lengths.clear();
+    if (std::any_of(lengths.begin(), lengths.end(), [&](std::int64_t l) { return l != whole.tokens; }))
+      whole.lengths.assign(lengths.begin(), lengths.end());
+    std::vector<Scored<S>> scored;
+    try {
+      scored.push_back(score_layer<S>(in, budget, where, {shard.layer, 0}, false, &whole));
+    } catch (const invalid_argument& e) {
+      failed = message(e);
+    }
+    shard::require_on_every_rank(comm, failed.empty(), at, failed);
+    Selection out;
+    try {
+      out = run(scored, where, no_refinement, shard::LayerTopK{&shard, whole.kv_heads}).front();
+    } catch (const invalid_argument& e) {  // after the top-k's collectives: a check of this rank's heads
+      failed = message(e);
+    }
+    shard::require_on_every_rank(comm, failed.empty(), at, failed);
+    return out;
+  }
+
+  /// `budget_shape`: the shape the budget is resolved against when it is not the inputs' own (a sharded layer: every
+  /// rank's heads).
   template <class S, class KV, class Q, class W>
   Scored<S> score_layer(const LayerInputs<KV, Q, W>& in, const Budget& budget, const std::string& where,
-                        extend::LayerPlace place, bool bounded = false) const {
+                        extend::LayerPlace place, bool bounded = false,
+                        const extend::LayerShape* budget_shape = nullptr) const {
     const extend::LayerShape shape = detail::validate_inputs(in, params_.window, where.c_str(), reads_observation());
     detail::require_dense_for_quirks(shape, params_.reference_quirks, where.c_str());
-    extend::LayerBudget layer = extend::layer_budget(
-        shape, budget, where.c_str(), allocates_model() || (scheduled() && params_.share != Sharing::per_model), place);
+    extend::LayerBudget layer =
+        extend::layer_budget(budget_shape ? *budget_shape : shape, budget, where.c_str(),
+                             allocates_model() || (scheduled() && params_.share != Sharing::per_model), place);
     layer.block = params_.block;
     selector_.adjust_budget(layer, shape, params_, where.c_str());
     if constexpr (scheduled()) {  // the layer's share (per_model: one set of n_kept)
@@ -336,15 +443,18 @@ class Policy {
   /// 1) the layers' own maps are allocated; otherwise the layout's unit maps (docs/algorithms.md#layouts).
   /// `refine(l, layer, selected, budgets, keep)` refines layer l's bounds after a selection (nullptr: the scores
   /// are exact).
-  template <class S, class Refine>
-  std::vector<Selection> run(std::vector<Scored<S>>& layers, const std::string& where, Refine&& refine) const {
-    if (params_.per_head_tokens()) return run_tokens(layers, where, refine);
+  /// `top_k`: what a per-layer allocation ranks across heads with (a sharded layer: shard::LayerTopK).
+  template <class S, class Refine, class TopK = extend::LocalTopK>
+  std::vector<Selection> run(std::vector<Scored<S>>& layers, const std::string& where, Refine&& refine,
+                             const TopK& top_k = TopK{}) const {
+    if (params_.per_head_tokens()) return run_tokens(layers, where, refine, top_k);
     return run_units(layers, where);
   }
 
   /// Per head, per token: allocate each layer (or all layers at once), select, refine bounds, again until exact.
-  template <class S, class Refine>
-  std::vector<Selection> run_tokens(std::vector<Scored<S>>& layers, const std::string& where, Refine& refine) const {
+  template <class S, class Refine, class TopK>
+  std::vector<Selection> run_tokens(std::vector<Scored<S>>& layers, const std::string& where, Refine& refine,
+                                    const TopK& top_k) const {
     using L = typename SelectorType::template Layer<S>;
     const std::size_t n = layers.size();
     Index total = 0;  // one budget across layers: the model's
@@ -388,7 +498,12 @@ class Policy {
         for (std::size_t l = 0; l < n; ++l) maps.push_back(&selected(l).allocation);
         budgets = allocation_.allocate_model(maps, total);
       } else {
-        for (std::size_t l = 0; l < n; ++l) budgets[l] = allocation_.allocate(selected(l).allocation, layers[l].budget);
+        for (std::size_t l = 0; l < n; ++l) {
+          if constexpr (std::is_same_v<TopK, extend::LocalTopK>)
+            budgets[l] = allocation_.allocate(selected(l).allocation, layers[l].budget);
+          else
+            budgets[l] = allocation_.allocate(selected(l).allocation, layers[l].budget, top_k);
+        }
       }
       for (std::size_t l = 0; l < n; ++l) {
         if (layers[l].budget.protected_prefix > 0)

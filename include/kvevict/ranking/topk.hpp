@@ -91,4 +91,18 @@ std::vector<Index> top_k_counts(const ScoreMap<S>& map, Index k) {
   return top_k_counts(map, k, [](std::size_t) { return true; });
 }
 
+/// The top-k an allocation that ranks across KV heads calls: how many of each head's entries are among the top k of
+/// the layer. This one ranks the map alone; shard::LayerTopK ranks a layer whose heads are split across ranks
+/// (docs/algorithms.md#sharded). heads(map): the layer's KV heads (the map's, or every rank's).
+struct LocalTopK {
+  template <class S, class Pred>
+  std::vector<Index> operator()(const ScoreMap<S>& map, Index k, Pred eligible) const {
+    return top_k_counts(map, k, eligible);
+  }
+  template <class S>
+  Index heads(const ScoreMap<S>& map) const {
+    return map.heads;
+  }
+};
+
 }  // namespace kvevict::extend

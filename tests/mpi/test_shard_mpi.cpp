@@ -1,0 +1,105 @@
+// shard/mpi.hpp and shard/top_k.hpp under real collectives: run with mpirun at 2 and 4 processes (ctest
+// mpi.shard_top_k.np2 / np4; the argument: how many random models, 100 by default). Every rank builds the same seeded
+// random models, takes its share of each split (TP x PP for every factorisation of the process count, heads contiguous
+// or dealt round-robin), and checks that its counts equal the unsharded top-k's; then that bad shards are refused on
+// every rank. Exit 0 when every rank passed (docs/algorithms.md#sharded).
+#include <kvevict/kvevict.hpp>
+#include <kvevict/shard/mpi.hpp>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "support/shard_models.hpp"
+
+namespace {
+
+using kvevict::Index;
+using kvevict::extend::ScoreMap;
+using kvevict::shard::ShardMap;
+using kvevict_test::shard_sz;
+
+int failures = 0;
+
+void check(bool ok, const std::string& what) {
+  if (ok) return;
+  if (++failures <= 10) std::fprintf(stderr, "FAILED: %s\n", what.c_str());
+}
+
+// One random model split as tp x pp: this rank's counts against allocate_layer_global's.
+int compare_splits(kvevict::shard::Communicator& comm, int cases) {
+  kvevict_test::ShardRng rng(20261206);
+  std::uniform_int_distribution<int> pick(0, 1 << 20);
+  int compared = 0;
+  for (int c = 0; c < cases; ++c) {
+    const Index layers = 1 + pick(rng) % 4, heads = 1 + pick(rng) % 8, tokens = 1 + pick(rng) % 40;
+    std::vector<ScoreMap<double>> model;
+    for (Index l = 0; l < layers; ++l) model.push_back(kvevict_test::random_map(rng, heads, tokens));
+    std::vector<const ScoreMap<double>*> pointers;
+    Index available = 0;
+    for (const auto& m : model) {
+      pointers.push_back(&m);
+      for (auto t : m.tier) available += t != kvevict::extend::Tier::absent;
+    }
+    const Index k = pick(rng) % (available + 1);
+    const bool contiguous = pick(rng) % 2 == 0;
+    const auto expected = kvevict::extend::allocate_layer_global(pointers, k);
+    for (int tp = 1; tp <= comm.size(); ++tp) {
+      if (comm.size() % tp != 0) continue;
+      const int pp = comm.size() / tp, stage = comm.rank() / tp, part = comm.rank() % tp;
+      std::vector<ScoreMap<double>> local;
+      std::vector<ShardMap<double>> maps;
+      local.reserve(shard_sz(layers));
+      for (Index l = 0; l < layers; ++l) {
+        if (static_cast<int>(l * pp / layers) != stage) continue;
+        std::vector<Index> hs = kvevict_test::part_heads(heads, tp, part, contiguous);
+        if (hs.empty()) continue;
+        local.push_back(kvevict_test::rows_of(model[shard_sz(l)], hs));
+        maps.push_back({&local.back(), l, hs});
+      }
+      const auto got = kvevict::shard::top_k_counts(comm, maps, k);
+      for (std::size_t m = 0; m < maps.size(); ++m)
+        for (std::size_t i = 0; i < maps[m].heads.size(); ++i, ++compared)
+          check(got[m][i] == expected[shard_sz(maps[m].layer)][shard_sz(maps[m].heads[i])],
+                "case " + std::to_string(c) + ", tp " + std::to_string(tp) + " x pp " + std::to_string(pp) + ", rank " +
+                    std::to_string(comm.rank()) + ", layer " + std::to_string(maps[m].layer) + ", head " +
+                    std::to_string(maps[m].heads[i]));
+    }
+  }
+  return compared;
+}
+
+// A KV head held by two ranks is refused on every rank, by name, and nobody hangs.
+void refuse_duplicates(kvevict::shard::Communicator& comm) {
+  kvevict_test::ShardRng rng(11);
+  const ScoreMap<double> layer = kvevict_test::random_map(rng, 4, 16);
+  std::vector<Index> hs = kvevict_test::part_heads(4, comm.size(), comm.rank(), true);
+  if (comm.rank() == comm.size() - 1) hs = {0};  // the last rank claims head 0 too (its own heads: missing)
+  const ScoreMap<double> local = kvevict_test::rows_of(layer, hs);
+  std::string message;
+  try {
+    (void)kvevict::shard::top_k_counts<double>(comm, {{&local, 0, hs}}, 2);
+  } catch (const kvevict::invalid_argument& e) {
+    message = e.what();
+  }
+  const std::string want = "layer 0, KV head 0 is held twice (again by rank " + std::to_string(comm.size() - 1) + ")";
+  check(message.find(want) != std::string::npos, "rank " + std::to_string(comm.rank()) + " got '" + message + "'");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int total_failures = 0;
+  {
+    kvevict::shard::MpiCommunicator comm;
+    const int compared = compare_splits(comm, argc > 1 ? std::stoi(argv[1]) : 100);
+    refuse_duplicates(comm);
+    MPI_Allreduce(&failures, &total_failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    if (comm.rank() == 0)
+      std::printf("test_shard_mpi: %d ranks, %d counts compared on rank 0, %d failures on all ranks\n", comm.size(),
+                  compared, total_failures);
+  }
+  MPI_Finalize();
+  return total_failures == 0 ? 0 : 1;
+}

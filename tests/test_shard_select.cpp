@@ -1,0 +1,172 @@
+// Policy::select(in, budget, shard::LayerShard): a layer's KV heads split across tensor-parallel ranks (threads
+// here) keep, on every rank, exactly what the one-rank selection keeps for those heads (docs/algorithms.md#sharded).
+#include <catch2/catch.hpp>
+
+#include <kvevict/kvevict.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "support/cases.hpp"
+#include "support/ragged_inputs.hpp"
+#include "support/shard_models.hpp"
+#include "support/thread_communicator.hpp"
+
+namespace test_shard_select {  // this file's scope in unity builds (tests/CMakeLists.txt)
+
+using kvevict::Budget;
+using kvevict::HeadsView;
+using kvevict::Index;
+using kvevict::LayerInputs;
+using kvevict::Selection;
+using kvevict::shard::Communicator;
+using kvevict::shard::LayerShard;
+
+namespace {
+
+// Heads [first, first + n) of a view (query-side views: G rows of heads per KV head).
+template <class T>
+HeadsView<const T> heads_of(const HeadsView<const T>& v, Index first, Index n) {
+  if (v.heads() == 0) return v;
+  return HeadsView<const T>(v.data() + first * v.head_stride(), n, v.rows(), v.cols(), v.head_stride(), v.row_stride());
+}
+
+// KV heads [h0, h0 + n) of a layer: their keys, values, lengths, positions and scores, their G query heads each and
+// those heads' W_o columns (what a tensor-parallel rank holds).
+LayerInputs<float> part_of(const LayerInputs<float>& in, Index h0, Index n, Index G) {
+  LayerInputs<float> p = in;
+  p.queries = heads_of(in.queries, h0 * G, n * G);
+  p.keys = heads_of(in.keys, h0, n);
+  p.values = heads_of(in.values, h0, n);
+  p.w_o = heads_of(in.w_o, h0 * G, n * G);
+  p.scores = heads_of(in.scores, h0, n);
+  p.positions = heads_of(in.positions, h0, n);
+  if (in.lengths) p.lengths = in.lengths + h0;
+  return p;
+}
+
+// Every rank's selection of its heads, against the one-rank selection of the layer.
+template <class P>
+int compare(const P& policy, const LayerInputs<float>& in, const Budget& budget, Index kv_heads, Index group, int ranks,
+            const std::string& what) {
+  const Selection whole = policy.select(in, budget);
+  std::vector<Selection> parts(static_cast<std::size_t>(ranks));
+  std::vector<std::vector<Index>> held(parts.size());
+  kvevict_test::run_ranks(ranks, [&](Communicator& comm) {
+    const std::vector<Index> hs = kvevict_test::part_heads(kv_heads, ranks, comm.rank(), true);
+    const LayerShard shard{&comm, hs, 3};
+    const Index h0 = hs.empty() ? 0 : hs.front();
+    parts[static_cast<std::size_t>(comm.rank())] =
+        policy.select(part_of(in, h0, static_cast<Index>(hs.size()), group), budget, shard);
+    held[static_cast<std::size_t>(comm.rank())] = hs;
+  });
+  int compared = 0;
+  for (std::size_t r = 0; r < parts.size(); ++r)
+    for (std::size_t i = 0; i < held[r].size(); ++i, ++compared) {
+      INFO(what << ", rank " << r << " of " << ranks << ", KV head " << held[r][i]);
+      const auto mine = parts[r].head(static_cast<Index>(i));
+      const auto one = whole.head(held[r][i]);
+      CHECK(std::vector<std::int64_t>(mine.begin(), mine.end()) == std::vector<std::int64_t>(one.begin(), one.end()));
+    }
+  return compared;
+}
+
+// A preset with its default parameters and the layers' w window queries (a policy that reads no observation keeps
+// its own window, at most w).
+template <class P>
+P with_window(Index w, typename P::Params p = {}) {
+  if (P::reads_observation() || p.window > w) p.window = w;
+  return P(p);
+}
+
+}  // namespace
+
+TEST_CASE("a layer split across tensor-parallel ranks keeps what one rank keeps", "[shard]") {
+  kvevict_test::Rng rng(20261207);
+  kvevict::AdaKV::Params original;
+  original.variant = kvevict::HeadAdaptiveAllocation::Variant::original;
+  const auto adakv_original = with_window<kvevict::AdaKV>(4, original);
+  int compared = 0;
+  for (int c = 0; c < kvevict_test::cases(12); ++c) {
+    const int Hkv = 1 + c % 5, G = 1 + c % 3, w = 4, d = 8, T = 40 + 7 * c;
+    const bool dense = c % 3 == 0;
+    const kvevict_test::Ragged r = kvevict_test::random_ragged(rng, Hkv * G, Hkv, w, d, T, dense ? 1.0 : 0.6);
+    const auto stored = kvevict_test::store<float>(r, T + 3, c % 2 == 1, 0.0f, 0, c % 4 != 2);
+    const std::vector<std::pair<Budget, std::string>> budgets{
+        {Budget::keep_ratio(0.5), "keep 0.5"}, {Budget::keep_ratio(0.2), "keep 0.2"}, {Budget::tokens(9), "9 tokens"}};
+    for (const auto& [budget, label] : budgets) {
+      for (int ranks = 1; ranks <= std::min(4, Hkv); ranks *= 2) {  // every rank holds a KV head
+        const std::string what = "case " + std::to_string(c) + ", Hkv " + std::to_string(Hkv) + ", G " +
+                                 std::to_string(G) + (dense ? ", dense" : ", ragged") + ", " + label;
+        compared += compare(with_window<kvevict::SnapKV>(w), stored.in, budget, Hkv, G, ranks, "SnapKV, " + what);
+        compared += compare(with_window<kvevict::AdaKV>(w), stored.in, budget, Hkv, G, ranks, "AdaKV, " + what);
+        compared += compare(adakv_original, stored.in, budget, Hkv, G, ranks, "AdaKV original, " + what);
+        compared +=
+            compare(with_window<kvevict::CriticalKV>(w), stored.in, budget, Hkv, G, ranks, "CriticalKV, " + what);
+        compared += compare(with_window<kvevict::CriticalSnapKV>(w), stored.in, budget, Hkv, G, ranks,
+                            "CriticalSnapKV, " + what);
+        compared += compare(with_window<kvevict::KNorm>(w), stored.in, budget, Hkv, G, ranks, "KNorm, " + what);
+        compared += compare(with_window<kvevict::KeyDiff>(w), stored.in, budget, Hkv, G, ranks, "KeyDiff, " + what);
+        compared += compare(with_window<kvevict::H2O>(w), stored.in, budget, Hkv, G, ranks, "H2O, " + what);
+        compared +=
+            compare(with_window<kvevict::StreamingLLM>(w), stored.in, budget, Hkv, G, ranks, "StreamingLLM, " + what);
+        compared +=
+            compare(with_window<kvevict::EngineScores>(w), stored.in, budget, Hkv, G, ranks, "EngineScores, " + what);
+      }
+    }
+  }
+  CHECK(compared > 1000);
+}
+
+TEST_CASE("sharded selection refuses what it cannot do yet, and bad shards, on every rank", "[shard][errors]") {
+  kvevict_test::Rng rng(5);
+  const kvevict_test::Ragged r = kvevict_test::random_ragged(rng, 4, 2, 4, 8, 32, 1.0);
+  auto stored = kvevict_test::store<float>(r, 32, false, 0.0f);
+  // Every rank's message for a run of 2 ranks; `change(rank, inputs, shard)` spoils a rank's part.
+  const auto messages = [&](const auto& policy,
+                            const std::function<void(int, LayerInputs<float>&, LayerShard&)>& change) {
+    std::vector<std::string> out(2);
+    std::mutex mutex;
+    kvevict_test::run_ranks(2, [&](Communicator& comm) {
+      LayerShard shard{&comm, {comm.rank()}, 0};
+      LayerInputs<float> part = part_of(stored.in, comm.rank(), 1, 2);
+      change(comm.rank(), part, shard);
+      try {
+        (void)policy.select(part, Budget::keep_ratio(0.5), shard);
+      } catch (const kvevict::invalid_argument& e) {
+        std::lock_guard<std::mutex> lock(mutex);
+        out[static_cast<std::size_t>(comm.rank())] = e.what();
+      }
+    });
+    return out;
+  };
+  const auto none = [](int, LayerInputs<float>&, LayerShard&) {};
+  SECTION("a policy that looks across heads") {
+    for (const auto& m : messages(with_window<kvevict::DefensiveKV>(4), none))
+      CHECK_THAT(m, Catch::Matchers::Contains("sharded selection takes SnapKV, AdaKV"));
+  }
+  SECTION("a shared layout") {
+    const auto tova = with_window<kvevict::TOVA>(4);
+    for (const auto& m : messages(tova, none)) CHECK_THAT(m, Catch::Matchers::Contains("per head and token"));
+  }
+  SECTION("a KV head held by two ranks") {
+    for (const auto& m :
+         messages(with_window<kvevict::AdaKV>(4), [](int, LayerInputs<float>&, LayerShard& s) { s.kv_heads = {0}; }))
+      CHECK_THAT(m, Catch::Matchers::Contains("KV head 0 is held by two ranks"));
+  }
+  SECTION("one rank's inputs are not finite") {
+    std::vector<float> keys(stored.k);
+    keys[keys.size() - 1] = std::nanf("");
+    const auto spoil = [&](int rank, LayerInputs<float>& in, LayerShard&) {
+      if (rank == 1) in.keys = heads_of(kvevict::kv_heads_major<const float>(keys.data(), 2, 32, 8), 1, 1);
+    };
+    for (const auto& m : messages(with_window<kvevict::SnapKV>(4), spoil))
+      CHECK_THAT(m, Catch::Matchers::Contains("rank 1 of 2: keys[0, 31, 7] (token position 31) is not finite"));
+  }
+}
+
+}  // namespace test_shard_select
