@@ -90,6 +90,9 @@ TEST_CASE("a layer split across tensor-parallel ranks keeps what one rank keeps"
   kvevict::AdaKV::Params original;
   original.variant = kvevict::HeadAdaptiveAllocation::Variant::original;
   const auto adakv_original = with_window<kvevict::AdaKV>(4, original);
+  kvevict::DefensiveKV::Params l2, no_mass;
+  l2.value_norm = kvevict::ValueNorm::l2;
+  no_mass.mass_forcing = false;  // the scores decide (forcing alone can fill these small budgets)
   int compared = 0;
   for (int c = 0; c < kvevict_test::cases(12); ++c) {
     const int Hkv = 1 + c % 5, G = 1 + c % 3, w = 4, d = 8, T = 40 + 7 * c;
@@ -116,6 +119,14 @@ TEST_CASE("a layer split across tensor-parallel ranks keeps what one rank keeps"
             compare(with_window<kvevict::StreamingLLM>(w), stored.in, budget, Hkv, G, ranks, "StreamingLLM, " + what);
         compared +=
             compare(with_window<kvevict::EngineScores>(w), stored.in, budget, Hkv, G, ranks, "EngineScores, " + what);
+        compared +=
+            compare(with_window<kvevict::DefensiveKV>(w), stored.in, budget, Hkv, G, ranks, "DefensiveKV, " + what);
+        compared += compare(with_window<kvevict::DefensiveKV>(w, l2), stored.in, budget, Hkv, G, ranks,
+                            "DefensiveKV L2, " + what);
+        compared += compare(with_window<kvevict::AdaKVDefensive>(w), stored.in, budget, Hkv, G, ranks,
+                            "AdaKVDefensive, " + what);
+        compared += compare(with_window<kvevict::DefensiveKV>(w, no_mass), stored.in, budget, Hkv, G, ranks,
+                            "DefensiveKV without mass forcing, " + what);
       }
     }
   }
@@ -145,8 +156,8 @@ TEST_CASE("sharded selection refuses what it cannot do yet, and bad shards, on e
     return out;
   };
   const auto none = [](int, LayerInputs<float>&, LayerShard&) {};
-  SECTION("a policy that looks across heads") {
-    for (const auto& m : messages(with_window<kvevict::DefensiveKV>(4), none))
+  SECTION("a policy that looks across layers") {
+    for (const auto& m : messages(with_window<kvevict::LayerDefensiveKV>(4), none))
       CHECK_THAT(m, Catch::Matchers::Contains("sharded selection takes SnapKV, AdaKV"));
   }
   SECTION("a shared layout") {
@@ -157,6 +168,15 @@ TEST_CASE("sharded selection refuses what it cannot do yet, and bad shards, on e
     for (const auto& m :
          messages(with_window<kvevict::AdaKV>(4), [](int, LayerInputs<float>&, LayerShard& s) { s.kv_heads = {0}; }))
       CHECK_THAT(m, Catch::Matchers::Contains("KV head 0 is held by two ranks"));
+  }
+  SECTION("one rank's values are not finite, before DefensiveKV's exchanges") {
+    std::vector<float> values(stored.v);
+    values[values.size() - 1] = std::nanf("");
+    const auto spoil = [&](int rank, LayerInputs<float>& in, LayerShard&) {
+      if (rank == 1) in.values = heads_of(kvevict::kv_heads_major<const float>(values.data(), 2, 32, 8), 1, 1);
+    };
+    for (const auto& m : messages(with_window<kvevict::DefensiveKV>(4), spoil))
+      CHECK_THAT(m, Catch::Matchers::Contains("rank 1 of 2: values[0, 31, 7] (token position 31) is not finite"));
   }
   SECTION("one rank's inputs are not finite") {
     std::vector<float> keys(stored.k);

@@ -10,6 +10,10 @@
 #include "kvevict/core/inputs.hpp"
 #include "kvevict/core/views.hpp"
 
+namespace kvevict::shard {
+struct LayerShard;
+}  // namespace kvevict::shard
+
 namespace kvevict::extend {
 
 /// n_kept per KV head on average (window included), the total to distribute (Hkv * n_kept per layer unless a
@@ -35,7 +39,10 @@ struct LayerBudget {
   Index protected_prefix = 0;
   /// A threshold budget (Budget::threshold, docs/algorithms.md#threshold-budgets): the scores decide the counts, and
   /// the allocation does not run; n_kept above is what the selectors read.
-  std::optional<Budget> threshold;
+  std::optional<Budget> threshold;  /// This rank's part of a layer split across ranks (Policy::select(in, budget,
+                                    /// shard), docs/algorithms.md#sharded):
+  /// a selector that sums across the layer's heads (DefensiveSelector) exchanges its terms through it; null otherwise.
+  const shard::LayerShard* shard = nullptr;
 };
 
 /// The place of one layer in its model, as a select() call gives it (unknown parts -1 and 0).

@@ -42,6 +42,8 @@ class MassStatistics {
     for (double b : bias_) sum += b;
     return sum / static_cast<double>(shape_.query_heads * shape_.window);
   }
+  /// The terms window_bias() sums [H]: query head q's.
+  const std::vector<double>& window_bias_terms() const { return bias_; }
 
   /// Forced prefix tokens of head h: sort p[h] / sum(p[h]) descending (ties: the more recent token first); with c
   /// the cumulative sum, k = the first index where c >= tau (0 if never; the token there is not included);

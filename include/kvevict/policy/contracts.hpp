@@ -175,15 +175,21 @@ struct has_window : std::true_type {};
 template <class T>
 struct has_window<T, std::void_t<decltype(T::has_window())>> : std::bool_constant<T::has_window()> {};
 
-/// Whether a Selector scores each KV head from that head's inputs alone (no sum, maximum or normalisation across the
-/// layer's heads, outside reference_quirks), so that a layer split across tensor-parallel ranks scores alike on every
-/// rank (docs/algorithms.md#sharded): false unless it declares
-///   static constexpr bool scores_heads_alone() { return true; }
+/// Whether a layer split across tensor-parallel ranks scores under a Selector as on one rank
+/// (docs/algorithms.md#sharded): each KV head scored from its own inputs (no sum, maximum or normalisation across the
+/// layer's heads outside reference_quirks), or what crosses heads exchanged through LayerBudget::shard
+/// (DefensiveSelector). False unless it declares
+///   static constexpr bool shardable_scores() { return true; }
 template <class T, class = void>
-struct scores_heads_alone : std::false_type {};
+struct shardable_scores : std::false_type {};
 template <class T>
-struct scores_heads_alone<T, std::void_t<decltype(T::scores_heads_alone())>>
-    : std::bool_constant<T::scores_heads_alone()> {};
+struct shardable_scores<T, std::void_t<decltype(T::shardable_scores())>> : std::bool_constant<T::shardable_scores()> {};
+
+/// Whether Params has a value_norm (a selector with a value term: CriticalSelector, DefensiveSelector).
+template <class T, class = void>
+struct has_value_norm : std::false_type {};
+template <class T>
+struct has_value_norm<T, std::void_t<decltype(std::declval<const T&>().value_norm)>> : std::true_type {};
 
 /// Whether an Allocation takes the top-k it ranks across heads with (extend::LocalTopK, shard::LayerTopK):
 ///   template <class S, class TopK> std::vector<Index> allocate(ScoreMap<S>&, const LayerBudget&, const TopK&) const;

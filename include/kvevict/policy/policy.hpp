@@ -25,6 +25,7 @@
 #include "kvevict/selectors/attention_selector.hpp"
 #include "kvevict/selectors/selector.hpp"
 #include "kvevict/shard/layer_shard.hpp"
+#include "kvevict/value/value_norm.hpp"
 
 namespace kvevict {
 
@@ -128,10 +129,11 @@ class Policy {
 
   /// This rank's part of a layer whose KV heads are split across tensor-parallel ranks (docs/algorithms.md#sharded):
   /// `in` holds the heads shard.kv_heads (their query heads and W_o columns), and every rank of shard.comm calls this
-  /// with its own part. Keeps, for these heads, exactly what select(whole layer, budget) keeps. Needs a policy that
-  /// scores each head alone and allocates per layer (SnapKV, AdaKV, CriticalKV, CriticalSnapKV, KNorm, KeyDiff, H2O,
-  /// StreamingLLM, EngineScores), per head and token, without reference_quirks, and a count budget; anything else
-  /// is refused by name. Errors are thrown on every rank (no rank is left waiting at a collective).
+  /// with its own part. Keeps, for these heads, exactly what select(whole layer, budget) keeps. Needs a selector whose
+  /// scores shard (shardable_scores) and a per-layer allocation (SnapKV, AdaKV, CriticalKV, CriticalSnapKV,
+  /// DefensiveKV, AdaKVDefensive, KNorm, KeyDiff, H2O, StreamingLLM, EngineScores), per head and token, without
+  /// reference_quirks, and a count budget; anything else is refused by name. Errors are thrown on every rank (no rank
+  /// is left waiting at a collective).
   template <class S = float, class KV, class Q, class W>
   Selection select(const LayerInputs<KV, Q, W>& in, const Budget& budget, const shard::LayerShard& shard) const {
     return select_sharded<S>(in, budget, shard,
@@ -306,13 +308,14 @@ class Policy {
     const char* at = where.c_str();
     detail::require(shard.comm != nullptr, at, "the shard needs a communicator (LayerShard::comm)");
     // What every rank knows alike: the policy and the budget form. Refused the same way on every rank.
-    constexpr bool shardable = detail::scores_heads_alone<SelectorType>::value && !allocates_model() && !scheduled() &&
+    constexpr bool shardable = detail::shardable_scores<SelectorType>::value && !allocates_model() && !scheduled() &&
                                detail::allocates_with_top_k<Allocation, shard::LayerTopK>::value;
     if constexpr (!shardable) {
       throw invalid_argument(detail::concat(
           "kvevict::", where, ": ", detail::name_of<SelectorType>(), " on ", detail::name_of<Allocation>(),
           " looks across heads or layers beyond one top-k of the layer; sharded selection takes SnapKV, AdaKV, "
-          "CriticalKV, CriticalSnapKV, KNorm, KeyDiff, H2O, StreamingLLM and EngineScores so far"));
+          "CriticalKV, CriticalSnapKV, DefensiveKV, AdaKVDefensive, KNorm, KeyDiff, H2O, StreamingLLM and EngineScores "
+          "so far"));
     } else {
       return select_shardable<S>(in, budget, shard, where);
     }
@@ -339,6 +342,12 @@ class Policy {
       shape = detail::validate_inputs(in, params_.window, at, reads_observation());
       detail::require(static_cast<Index>(shard.kv_heads.size()) == shape.kv_heads, at, "the shard names ",
                       shard.kv_heads.size(), " KV heads (LayerShard::kv_heads), the inputs hold ", shape.kv_heads);
+      // The checks scoring makes before a selector's exchanges (DefensiveSelector's sums across heads), made here so
+      // that no rank stops on its own inputs while the others wait in an exchange.
+      if constexpr (reads_observation()) (void)extend::observe<S>(in, shape, at);
+      if constexpr (detail::has_value_norm<Params>::value) {
+        if (selector_.reads_values()) extend::validate_value_inputs(in, shape, params_.value_norm, at);
+      }
     } catch (const invalid_argument& e) {
       failed = message(e);
     }
@@ -373,7 +382,7 @@ class Policy {
       whole.lengths.assign(lengths.begin(), lengths.end());
     std::vector<Scored<S>> scored;
     try {
-      scored.push_back(score_layer<S>(in, budget, where, {shard.layer, 0}, false, &whole));
+      scored.push_back(score_layer<S>(in, budget, where, {shard.layer, 0}, false, &whole, &shard));
     } catch (const invalid_argument& e) {
       failed = message(e);
     }
@@ -393,13 +402,15 @@ class Policy {
   template <class S, class KV, class Q, class W>
   Scored<S> score_layer(const LayerInputs<KV, Q, W>& in, const Budget& budget, const std::string& where,
                         extend::LayerPlace place, bool bounded = false,
-                        const extend::LayerShape* budget_shape = nullptr) const {
+                        const extend::LayerShape* budget_shape = nullptr,
+                        const shard::LayerShard* shard = nullptr) const {
     const extend::LayerShape shape = detail::validate_inputs(in, params_.window, where.c_str(), reads_observation());
     detail::require_dense_for_quirks(shape, params_.reference_quirks, where.c_str());
     extend::LayerBudget layer =
         extend::layer_budget(budget_shape ? *budget_shape : shape, budget, where.c_str(),
                              allocates_model() || (scheduled() && params_.share != Sharing::per_model), place);
     layer.block = params_.block;
+    layer.shard = shard;
     selector_.adjust_budget(layer, shape, params_, where.c_str());
     if constexpr (scheduled()) {  // the layer's share (per_model: one set of n_kept)
       detail::require(!budget.is_threshold(), where.c_str(),

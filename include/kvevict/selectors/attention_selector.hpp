@@ -14,8 +14,8 @@ inline namespace KVEVICT_ABI_NAMESPACE {  // core/config.hpp: code that depends 
 /// Scores prefix token j of KV head h by s[h][j] (docs/algorithms.md#aggregation, mean); the window ranks above every
 /// prefix token; each head keeps its top budgets[h].
 struct AttentionSelector {
-  /// Each KV head scored from its own inputs (a layer split across ranks: docs/algorithms.md#sharded).
-  static constexpr bool scores_heads_alone() { return true; }
+  /// Each KV head scored from its own inputs: a layer split across ranks scores alike (docs/algorithms.md#sharded).
+  static constexpr bool shardable_scores() { return true; }
   static constexpr const char* type_name = "AttentionSelector";
   struct Params {
     void validate(const char* /*where*/) const {}

@@ -29,8 +29,8 @@ inline namespace KVEVICT_ABI_NAMESPACE {  // core/config.hpp: code that depends 
 /// upper bound and refine() computes the exact term for what stage 2 picked at its bound, until it picks none. The
 /// selection is the same, bit for bit.
 struct CriticalSelector {
-  /// Each KV head scored from its own inputs (a layer split across ranks: docs/algorithms.md#sharded).
-  static constexpr bool scores_heads_alone() { return true; }
+  /// Each KV head scored from its own inputs: a layer split across ranks scores alike (docs/algorithms.md#sharded).
+  static constexpr bool shardable_scores() { return true; }
   static constexpr const char* type_name = "CriticalSelector";
   struct Params {
     double eps = 1e-4;                     ///< added to s before weighting by the value norm

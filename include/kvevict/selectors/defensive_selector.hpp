@@ -4,12 +4,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "kvevict/aggregation/defensive.hpp"
 #include "kvevict/forcing/mass_forcing.hpp"
 #include "kvevict/observation/window_attention.hpp"
 #include "kvevict/selectors/selector.hpp"
+#include "kvevict/shard/exchange.hpp"
 #include "kvevict/value/value_norm.hpp"
 
 namespace kvevict {
@@ -28,6 +31,9 @@ inline namespace KVEVICT_ABI_NAMESPACE {  // core/config.hpp: code that depends 
 /// maximum, as the window does); the window is still observed whole and the mass forcing is unchanged.
 struct DefensiveSelector {
   static constexpr const char* type_name = "DefensiveSelector";
+  /// A layer split across ranks scores as on one rank: the window bias and the value normalisation, which sum across
+  /// the layer's heads, are exchanged through budget.shard (docs/algorithms.md#sharded).
+  static constexpr bool shardable_scores() { return true; }
   struct Params {
     double mass_threshold = 0.9;           ///< tau before the window bias is subtracted
     ValueNorm value_norm = ValueNorm::l1;  ///< norm of the value term
@@ -77,7 +83,7 @@ struct DefensiveSelector {
       const OutputGram<S>* gram = params_.value_norm == ValueNorm::l2 ? &extend::output_gram<S>(in, scratch) : nullptr;
       weight_by_normalised_values(
           scores, extend::value_norms<S>(in.values, in.w_o, shape, params_.value_norm, gram, in.values_scale), shape,
-          params_.open_window);
+          params_.open_window, budget.shard);
     }
 
     Layer<S> layer{params_.open_window ? open_window_map(scores, shape)
@@ -85,7 +91,7 @@ struct DefensiveSelector {
     layer.allocation.require_finite(where);
     std::vector<std::vector<Index>> forced(static_cast<std::size_t>(shape.kv_heads));
     if (params_.mass_forcing) {
-      const double tau = params_.mass_threshold - mass.window_bias();
+      const double tau = params_.mass_threshold - window_bias(mass, shape, budget.shard);
       const Index cap = common.reference_quirks
                             ? static_cast<Index>(static_cast<double>(shape.prefix) *
                                                      (1.0 - detail::quirk_compression_ratio(budget, where)) -
@@ -134,14 +140,47 @@ struct DefensiveSelector {
     return m;
   }
 
+  /// The window bias of the mass forcing: MassStatistics::window_bias(), or on a layer split across ranks the same
+  /// sum over every rank's query heads in global order (docs/algorithms.md#sharded).
+  template <class S>
+  static double window_bias(const extend::MassStatistics<S>& mass, const extend::LayerShape& shape,
+                            const shard::LayerShard* shard) {
+    if (!shard) return mass.window_bias();
+    std::vector<shard::IndexedTerm> terms;
+    const std::vector<double>& bias = mass.window_bias_terms();
+    for (Index q = 0; q < shape.query_heads; ++q)
+      terms.push_back({shard->kv_heads[static_cast<std::size_t>(q / shape.group)] * shape.group + q % shape.group,
+                       bias[static_cast<std::size_t>(q)]});
+    const shard::OrderedSum all = shard::sum_in_order(*shard->comm, terms);
+    return all.sum / static_cast<double>(static_cast<Index>(all.terms) * shape.window);
+  }
+
   /// scores(h, j) *= N[h][j] / (sum of N over the KV heads whose scored entries hold the same position), 0 when
   /// that sum is 0 (docs/algorithms.md#value-term and docs/algorithms.md#ragged; on a dense layer the sum is the
-  /// column's, in head order). The scored entries are the prefix, or every entry with an open window.
+  /// column's, in head order). The scored entries are the prefix, or every entry with an open window. On a layer
+  /// split across ranks the sums take every rank's heads, in global head order.
   template <class S>
   static void weight_by_normalised_values(RowMatrix<S>& scores, const RowMatrix<S>& n, const extend::LayerShape& shape,
-                                          bool open_window) {
+                                          bool open_window, const shard::LayerShard* shard = nullptr) {
     const auto weight = [&](Index h, Index j, S total) { scores(h, j) *= total > S(0) ? n(h, j) / total : S(0); };
     const auto scored = [&](Index h) { return open_window ? shape.length(h) : shape.prefix_of(h); };
+    if (shard) {
+      std::vector<shard::PositionTerm<S>> terms;
+      for (Index h = 0; h < shape.kv_heads; ++h)
+        for (Index j = 0; j < scored(h); ++j) {
+          shard::PositionTerm<S> t;
+          std::memset(&t, 0, sizeof t);  // the padding too: the bytes go to other ranks
+          t.position = shape.position(h, j);
+          t.head = shard->kv_heads[static_cast<std::size_t>(h)];
+          t.value = n(h, j);
+          terms.push_back(t);
+        }
+      const std::vector<S> totals = shard::sums_by_position(*shard->comm, terms);
+      std::size_t i = 0;
+      for (Index h = 0; h < shape.kv_heads; ++h)
+        for (Index j = 0; j < scored(h); ++j) weight(h, j, totals[i++]);
+      return;
+    }
     if (!shape.ragged() && shape.positions.heads() == 0) {  // every head holds positions 0 .. L-1
       for (Index j = 0; j < scored(0); ++j) {
         S total = 0;

@@ -13,8 +13,8 @@ namespace kvevict {
 /// presets: the engine's scores are final); the last w entries of each head are the window tier, above every scored
 /// entry (w = 0: every entry competes by its score). Reads no queries, attention, keys' values or W_o.
 struct EngineScoreSelector {
-  /// Each KV head scored from its own inputs (a layer split across ranks: docs/algorithms.md#sharded).
-  static constexpr bool scores_heads_alone() { return true; }
+  /// Each KV head scored from its own inputs: a layer split across ranks scores alike (docs/algorithms.md#sharded).
+  static constexpr bool shardable_scores() { return true; }
   static constexpr const char* type_name = "EngineScoreSelector";
   struct Params {
     void validate(const char* /*where*/) const {}

@@ -21,8 +21,8 @@ inline namespace KVEVICT_ABI_NAMESPACE {  // core/config.hpp: code that depends 
 /// every scored entry (under reference_quirks they carry the layer's maximum, as the window does); each head keeps
 /// its top budgets[h].
 struct H2OSelector {
-  /// Each KV head scored from its own inputs (a layer split across ranks: docs/algorithms.md#sharded).
-  static constexpr bool scores_heads_alone() { return true; }
+  /// Each KV head scored from its own inputs: a layer split across ranks scores alike (docs/algorithms.md#sharded).
+  static constexpr bool shardable_scores() { return true; }
   static constexpr const char* type_name = "H2OSelector";
   struct Params {
     double recent_share = 0.5;  ///< the share of n_kept given to the most recent entries (H2O: half)

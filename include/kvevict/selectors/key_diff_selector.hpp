@@ -14,8 +14,8 @@ namespace kvevict {
 /// zero key adds 0). Prefix token j scores -cos(k_j, a_h) = -((k_j . a_h) / ||k_j||) / ||a_h||, 0 when either norm
 /// is 0; the window ranks above every prefix token; each head keeps its top budgets[h].
 struct KeyDiffSelector {
-  /// Each KV head scored from its own inputs (a layer split across ranks: docs/algorithms.md#sharded).
-  static constexpr bool scores_heads_alone() { return true; }
+  /// Each KV head scored from its own inputs: a layer split across ranks scores alike (docs/algorithms.md#sharded).
+  static constexpr bool shardable_scores() { return true; }
   static constexpr const char* type_name = "KeyDiffSelector";
   struct Params {
     void validate(const char* /*where*/) const {}

@@ -13,8 +13,8 @@ namespace kvevict {
 /// Prefix token j of KV head h scores -||K[h][j]||_2; the window ranks above every prefix token; each head keeps its
 /// top budgets[h].
 struct KeyNormSelector {
-  /// Each KV head scored from its own inputs (a layer split across ranks: docs/algorithms.md#sharded).
-  static constexpr bool scores_heads_alone() { return true; }
+  /// Each KV head scored from its own inputs: a layer split across ranks scores alike (docs/algorithms.md#sharded).
+  static constexpr bool shardable_scores() { return true; }
   static constexpr const char* type_name = "KeyNormSelector";
   struct Params {
     void validate(const char* /*where*/) const {}

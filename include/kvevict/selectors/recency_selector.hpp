@@ -17,8 +17,8 @@ namespace kvevict {
 
 class RecencySelector {
  public:
-  /// Each KV head scored from its own inputs (a layer split across ranks: docs/algorithms.md#sharded).
-  static constexpr bool scores_heads_alone() { return true; }
+  /// Each KV head scored from its own inputs: a layer split across ranks scores alike (docs/algorithms.md#sharded).
+  static constexpr bool shardable_scores() { return true; }
   static constexpr const char* type_name = "RecencySelector";
   struct Params {
     Index sinks = 4;  ///< the first entries of each head, kept first (up to the head's budget)
