@@ -130,7 +130,7 @@ TEST_CASE("a layer split across tensor-parallel ranks keeps what one rank keeps"
       }
     }
   }
-  CHECK(compared > 1000);
+  CHECK(compared > kvevict_test::cases(1000));  // a quarter of the cases under the sanitizers
 }
 
 TEST_CASE("sharded selection refuses what it cannot do yet, and bad shards, on every rank", "[shard][errors]") {

@@ -101,7 +101,7 @@ TEST_CASE("sharded top-k equals the unsharded one for every split of heads and l
         }
       }
   }
-  CHECK(compared > 1000);
+  CHECK(compared > kvevict_test::cases(1000));  // a quarter of the cases under the sanitizers
 }
 
 TEST_CASE("sharded top-k sends at most min(k, candidates) entries per rank", "[shard]") {
