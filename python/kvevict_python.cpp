@@ -11,6 +11,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -290,8 +291,83 @@ py::array_t<std::int64_t> copy(const std::int64_t* data, std::int64_t n) {
   return py::array_t<std::int64_t>(static_cast<py::ssize_t>(n), data);
 }
 
+/// A Python communicator (an object with `rank`, `size` and `all_gather(data: bytes) -> bytes`, every rank's data
+/// concatenated in rank order) as a kvevict_communicator; the call takes the GIL. A Python error fails the call and
+/// is kept for the message.
+struct PyCommunicator {
+  py::object comm;
+  std::string error;
+  kvevict_communicator c{};
+
+  PyCommunicator(py::object obj, const char* name) : comm(std::move(obj)) {
+    for (const char* attr : {"rank", "size", "all_gather"})
+      if (!py::hasattr(comm, attr))
+        throw py::value_error(std::string("shard['") + name +
+                              "'] needs rank, size and all_gather(data: bytes) -> "
+                              "bytes (every rank's data in rank order); it has no " +
+                              attr);
+    c.context = this;
+    c.rank = comm.attr("rank").cast<std::int32_t>();
+    c.size = comm.attr("size").cast<std::int32_t>();
+    c.all_gather = &PyCommunicator::all_gather;
+  }
+  static int all_gather(void* context, const void* send, size_t bytes, void* recv) {
+    auto* self = static_cast<PyCommunicator*>(context);
+    py::gil_scoped_acquire gil;
+    try {
+      const py::object got = self->comm.attr("all_gather")(py::bytes(static_cast<const char*>(send), bytes));
+      const std::string data = py::bytes(py::module_::import("builtins").attr("bytes")(got));
+      const std::size_t want = static_cast<std::size_t>(self->c.size) * bytes;
+      if (data.size() != want) {
+        self->error = "all_gather returned " + std::to_string(data.size()) + " bytes; expected size * " +
+                      std::to_string(bytes) + " = " + std::to_string(want);
+        return 1;
+      }
+      if (want > 0) std::memcpy(recv, data.data(), want);
+      return 0;
+    } catch (const std::exception& e) {
+      self->error = e.what();
+      return 1;
+    }
+  }
+};
+
+/// shard={comm, layer_group, layers, kv_heads} as the C API's kvevict_shard (docs/algorithms.md#sharded).
+struct PyShard {
+  std::unique_ptr<PyCommunicator> model, group;
+  std::vector<std::int64_t> layers, kv_heads;
+  kvevict_shard c{};
+
+  explicit PyShard(const py::dict& d) {
+    for (const auto& item : d) {
+      const std::string key = py::str(item.first);
+      if (key != "comm" && key != "layer_group" && key != "layers" && key != "kv_heads")
+        throw py::value_error("shard has an unknown key '" + key + "'; expected comm, layer_group, layers, kv_heads");
+    }
+    if (!d.contains("comm") || !d.contains("layers") || !d.contains("kv_heads"))
+      throw py::value_error(
+          "shard needs comm (every rank of the model), layers (this rank's layer ids) and kv_heads "
+          "(its KV head ids); layer_group (its tensor-parallel group) is optional");
+    model = std::make_unique<PyCommunicator>(d["comm"], "comm");
+    if (d.contains("layer_group") && !d["layer_group"].is_none())
+      group = std::make_unique<PyCommunicator>(d["layer_group"], "layer_group");
+    layers = d["layers"].cast<std::vector<std::int64_t>>();
+    kv_heads = d["kv_heads"].cast<std::vector<std::int64_t>>();
+    c.model = model->c;
+    if (group) c.layer_group = group->c;
+    c.layer_ids = layers.data();
+    c.kv_heads = kv_heads.data();
+    c.n_kv_heads = kv_heads.size();
+  }
+  std::string error() const {
+    const std::string e = model->error.empty() && group ? group->error : model->error;
+    return e.empty() ? e : " (" + e + ")";
+  }
+};
+
 std::vector<PySelection> run(const py::object& policy_name, const std::vector<py::dict>& layers,
-                             const std::string& layout, const py::object& fp8_format, py::kwargs options) {
+                             const std::string& layout, const py::object& fp8_format, py::kwargs options,
+                             const py::object& shard_args = py::none()) {
   if (layout != "heads" && layout != "tokens")
     throw py::value_error(
         "layout must be 'heads' ([kv_heads, tokens, head_dim]) or 'tokens' ([tokens, kv_heads, "
@@ -358,10 +434,22 @@ std::vector<PySelection> run(const py::object& policy_name, const std::vector<py
   }
   kvevict_selection* raw = nullptr;
   kvevict_status status;
+  std::unique_ptr<PyShard> shard;
+  if (!shard_args.is_none()) {
+    if (!py::isinstance<py::dict>(shard_args))
+      throw py::value_error("shard must be a dict(comm=..., layer_group=..., layers=[...], kv_heads=[...])");
+    shard = std::make_unique<PyShard>(shard_args.cast<py::dict>());
+    if (shard->layers.size() != layers.size())
+      throw py::value_error("shard['layers'] names " + std::to_string(shard->layers.size()) +
+                            " layer ids; expected one per layer passed (" + std::to_string(layers.size()) + ")");
+  }
   {
     py::gil_scoped_release release;
-    status = kvevict_select_layers(raw_policy, budget, c_layers.data(), c_layers.size(), &raw);
+    status = shard
+                 ? kvevict_select_layers_sharded(raw_policy, budget, c_layers.data(), c_layers.size(), &shard->c, &raw)
+                 : kvevict_select_layers(raw_policy, budget, c_layers.data(), c_layers.size(), &raw);
   }
+  if (status == KVEVICT_COLLECTIVE_FAILED) throw std::runtime_error(kvevict_last_error() + shard->error());
   check(status);
   const std::unique_ptr<kvevict_selection, void (*)(kvevict_selection*)> owned(raw, kvevict_selection_free);
   std::vector<PySelection> out;
@@ -460,10 +548,14 @@ PYBIND11_MODULE(kvevict, m) {
   m.def(
       "select_layers",
       [](const py::object& policy, const std::vector<py::dict>& layers, const std::string& layout,
-         const py::object& fp8, py::kwargs options) { return run(policy, layers, layout, fp8, std::move(options)); },
+         const py::object& fp8, const py::object& shard,
+         py::kwargs options) { return run(policy, layers, layout, fp8, std::move(options), shard); },
       py::arg("policy"), py::arg("layers"), py::kw_only(), py::arg("layout") = "heads", py::arg("fp8") = py::none(),
+      py::arg("shard") = py::none(),
       "Selects every layer at once (layer-global policies share one budget across them): layers is a list of dicts "
-      "with the tensors of select() (keys_scale, values_scale and scores included); fp8= as for select(). Returns a "
-      "list of "
-      "Selection, one per layer.");
+      "with the tensors of select() (keys_scale, values_scale and scores included); fp8= as for select(). "
+      "shard=dict(comm=C, layer_group=G, layers=[ids], kv_heads=[ids]): this rank's part of a sharded model "
+      "(docs/algorithms.md#sharded), the layers passed holding the KV heads kv_heads of layers `layers`; C (every "
+      "rank) and G (the ranks holding the same layers, or None) have rank, size and all_gather(data: bytes) -> bytes "
+      "(every rank's data in rank order). Returns a list of Selection, one per layer.");
 }

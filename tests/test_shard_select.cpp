@@ -25,29 +25,11 @@ using kvevict::LayerInputs;
 using kvevict::Selection;
 using kvevict::shard::Communicator;
 using kvevict::shard::LayerShard;
+using kvevict_test::heads_of;
+using kvevict_test::part_of;
+using kvevict_test::with_window;
 
 namespace {
-
-// Heads [first, first + n) of a view (query-side views: G rows of heads per KV head).
-template <class T>
-HeadsView<const T> heads_of(const HeadsView<const T>& v, Index first, Index n) {
-  if (v.heads() == 0) return v;
-  return HeadsView<const T>(v.data() + first * v.head_stride(), n, v.rows(), v.cols(), v.head_stride(), v.row_stride());
-}
-
-// KV heads [h0, h0 + n) of a layer: their keys, values, lengths, positions and scores, their G query heads each and
-// those heads' W_o columns (what a tensor-parallel rank holds).
-LayerInputs<float> part_of(const LayerInputs<float>& in, Index h0, Index n, Index G) {
-  LayerInputs<float> p = in;
-  p.queries = heads_of(in.queries, h0 * G, n * G);
-  p.keys = heads_of(in.keys, h0, n);
-  p.values = heads_of(in.values, h0, n);
-  p.w_o = heads_of(in.w_o, h0 * G, n * G);
-  p.scores = heads_of(in.scores, h0, n);
-  p.positions = heads_of(in.positions, h0, n);
-  if (in.lengths) p.lengths = in.lengths + h0;
-  return p;
-}
 
 // Every rank's selection of its heads, against the one-rank selection of the layer.
 template <class P>
@@ -73,14 +55,6 @@ int compare(const P& policy, const LayerInputs<float>& in, const Budget& budget,
       CHECK(std::vector<std::int64_t>(mine.begin(), mine.end()) == std::vector<std::int64_t>(one.begin(), one.end()));
     }
   return compared;
-}
-
-// A preset with its default parameters and the layers' w window queries (a policy that reads no observation keeps
-// its own window, at most w).
-template <class P>
-P with_window(Index w, typename P::Params p = {}) {
-  if (P::reads_observation() || p.window > w) p.window = w;
-  return P(p);
 }
 
 }  // namespace

@@ -13,7 +13,7 @@
 ///   aggregation                aggregation/mean.hpp            MeanAggregator, mean_scores
 ///                              aggregation/defensive.hpp       DefensiveAggregator, defensive_scores
 ///   value-term                 value/value_norm.hpp            value_norms, validate_value_inputs, output_gram
-///   allocation                 allocation/layer_global.hpp     allocate_layer_global
+///   allocation                 ranking/topk.hpp                allocate_layer_global, LocalTopK
 ///   forcing                    forcing/mass_forcing.hpp        MassStatistics
 ///   forcing, ties: top-k       ranking/score_map.hpp           ScoreMap, Tier
 ///                              ranking/topk.hpp                KeepFlags, top_k_of_head, top_k_counts

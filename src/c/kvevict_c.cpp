@@ -8,6 +8,7 @@
 #include <exception>
 #include <memory>
 #include <new>
+#include <stdexcept>
 #include <string>
 #include <utility>
 
@@ -39,6 +40,11 @@ void fail(const char* message) noexcept {
   }
 }
 
+/// The engine's all_gather failed (kvevict_communicator): KVEVICT_COLLECTIVE_FAILED.
+struct collective_error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 /// Runs f, turning any exception into a status and its message.
 template <class F>
 kvevict_status guarded(F&& f) noexcept {
@@ -54,6 +60,9 @@ kvevict_status guarded(F&& f) noexcept {
   } catch (const std::bad_alloc&) {
     fail("out of memory");
     return KVEVICT_OUT_OF_MEMORY;
+  } catch (const collective_error& e) {
+    fail(e.what());
+    return KVEVICT_COLLECTIVE_FAILED;
   } catch (const std::exception& e) {
     try {
       last_error = std::string("internal error: ") + e.what();
@@ -232,6 +241,62 @@ kvevict_status kvevict_select_layers(const kvevict_policy* policy, kvevict_budge
     const kvevict::Budget b = to_budget(budget);
     auto result = std::make_unique<kvevict_selection>();
     result->layers = runtime::select_tensors(policy->options, b, layers, n_layers);
+    *out = result.release();
+  });
+}
+
+namespace {
+
+/// A kvevict_communicator as a shard::Communicator: a failed all_gather throws on this rank.
+class CallbackCommunicator : public kvevict::shard::Communicator {
+ public:
+  CallbackCommunicator(const kvevict_communicator& c, const char* name) : c_(c), name_(name) {
+    require(c.all_gather != nullptr,
+            std::string("kvevict_select_layers_sharded: shard->") + name + ".all_gather must not be NULL");
+    require(c.size >= 1 && c.rank >= 0 && c.rank < c.size,
+            std::string("kvevict_select_layers_sharded: shard->") + name + " has rank " + std::to_string(c.rank) +
+                " of size " + std::to_string(c.size) + "; expected 0 <= rank < size");
+  }
+  int rank() const override { return c_.rank; }
+  int size() const override { return c_.size; }
+  void all_gather(const void* send, std::size_t bytes, void* recv) override {
+    const int status = c_.all_gather(c_.context, send, bytes, recv);
+    if (status != 0)
+      throw collective_error(std::string("kvevict_select_layers_sharded: shard->") + name_ +
+                             ".all_gather failed (returned " + std::to_string(status) + ")");
+  }
+
+ private:
+  kvevict_communicator c_;
+  const char* name_;
+};
+
+}  // namespace
+
+kvevict_status kvevict_select_layers_sharded(const kvevict_policy* policy, kvevict_budget budget,
+                                             const kvevict_layer* layers, size_t n_layers, const kvevict_shard* shard,
+                                             kvevict_selection** out) {
+  if (out) *out = nullptr;
+  return guarded([&] {
+    require(policy != nullptr, "kvevict_select_layers_sharded: policy must not be NULL");
+    require(out != nullptr, "kvevict_select_layers_sharded: out must not be NULL");
+    require(shard != nullptr, "kvevict_select_layers_sharded: shard must not be NULL");
+    require(layers != nullptr || n_layers == 0, "kvevict_select_layers_sharded: layers is NULL");
+    require(shard->layer_ids != nullptr || n_layers == 0,
+            "kvevict_select_layers_sharded: shard->layer_ids must hold one id per layer");
+    require(shard->kv_heads != nullptr && shard->n_kv_heads > 0,
+            "kvevict_select_layers_sharded: shard->kv_heads must hold this rank's KV head ids");
+    CallbackCommunicator model(shard->model, "model");
+    std::unique_ptr<CallbackCommunicator> group;
+    if (shard->layer_group.all_gather)
+      group = std::make_unique<CallbackCommunicator>(shard->layer_group, "layer_group");
+    kvevict::shard::ModelShard part{&model, group.get(), {}, {}};
+    part.layers.assign(shard->layer_ids, shard->layer_ids + n_layers);
+    part.kv_heads.assign(shard->kv_heads, shard->kv_heads + shard->n_kv_heads);
+    runtime::Options options = policy->options;
+    options.shard = &part;
+    auto result = std::make_unique<kvevict_selection>();
+    result->layers = runtime::select_tensors(options, to_budget(budget), layers, n_layers);
     *out = result.release();
   });
 }

@@ -50,6 +50,9 @@ struct Options {
   /// The layers the engine keeps whole (docs/algorithms.md#hybrid-models), ascending.
   std::vector<Index> keep_whole;
   bool keeps_whole(Index layer) const { return std::binary_search(keep_whole.begin(), keep_whole.end(), layer); }
+  /// This rank's part of a sharded model (docs/algorithms.md#sharded; kvevict_select_layers_sharded): the layers are
+  /// its layers (keep_whole names global layer ids then); null: the whole model.
+  const kvevict::shard::ModelShard* shard = nullptr;
 
   /// `b` (the budget given, apart as the C API and Python give it, or by its option) with the protected prefix and
   /// the count bounds of these options; count bounds on a count budget are refused by name.

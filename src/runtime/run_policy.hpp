@@ -4,6 +4,7 @@
 // every front end; the raw-tensor entry (select_tensors.hpp) instantiates it once per other storage type.
 
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "kvevict/kvevict.hpp"
@@ -27,6 +28,16 @@ std::vector<Selection> run_policy(const Options& o, const std::vector<LayerInput
   Knobs knobs = o.knobs;
   if (window) knobs.window = window;
   std::vector<Selection> out;
+  if (o.shard) {  // this rank's part of a sharded model: float and double caches (any cache at precision f64)
+    if constexpr (std::is_same_v<KV, float> || std::is_same_v<KV, double>) {
+      visit_policy(o,
+                   [&](const auto& entry) { out = entry.make(knobs).template select<S>(layers, *o.budget, *o.shard); });
+      return out;
+    } else {
+      throw invalid_argument(
+          "sharded selection reads float32 or float64 caches at precision f32, any cache at precision f64");
+    }
+  }
   visit_policy(o, [&](const auto& entry) { out = select_layers<S>(entry.make(knobs), layers, *o.budget); });
   return out;
 }

@@ -244,13 +244,13 @@ std::vector<Selection> select_typed(const Options& options, const kvevict_layer*
   std::optional<Index> window = options.knobs.window;
   std::vector<LayerHold<KV, S>> held(n_layers);  // never resized: the views point into these
   std::vector<LayerInputs<KV, S, S>> inputs;
-  if (!options.keep_whole.empty() && options.keep_whole.back() >= static_cast<Index>(n_layers))
+  if (!options.shard && !options.keep_whole.empty() && options.keep_whole.back() >= static_cast<Index>(n_layers))
     throw invalid_argument("the layers kept whole name layer " + std::to_string(options.keep_whole.back()) +
                            "; the model has " + std::to_string(n_layers) + " layers");
   for (std::size_t l = 0; l < n_layers; ++l) {
     const kvevict_layer& in = layers[l];
     // A layer kept whole (docs/algorithms.md#hybrid-models) is read for its keys' shape only.
-    const bool whole = options.keeps_whole(static_cast<Index>(l));
+    const bool whole = options.keeps_whole(options.shard ? options.shard->layers[l] : static_cast<Index>(l));
     LayerHold<KV, S>& h = held[l];
     const std::string at = layer_prefix(names, l);
     check_cache<KV>(in, at, names);

@@ -2,7 +2,8 @@
 // mpi.shard_top_k.np2 / np4; the argument: how many random models, 100 by default). Every rank builds the same seeded
 // random models, takes its share of each split (TP x PP for every factorisation of the process count, heads contiguous
 // or dealt round-robin), and checks that its counts equal the unsharded top-k's; then that bad shards are refused on
-// every rank. Exit 0 when every rank passed (docs/algorithms.md#sharded).
+// every rank; then Policy::select over a ModelShard (random models, a stage's group split from the world) against the
+// one-rank selection. Exit 0 when every rank passed (docs/algorithms.md#sharded).
 #include <kvevict/kvevict.hpp>
 #include <kvevict/shard/mpi.hpp>
 
@@ -69,6 +70,54 @@ int compare_splits(kvevict::shard::Communicator& comm, int cases) {
   return compared;
 }
 
+// Policy::select(layers, budget, ModelShard) of random models split as tp x pp (every factorisation with tp <= Hkv):
+// this rank's selections against the one-rank selection of the model, for LayerDefensiveKV, OpenDefensiveKV and
+// AdaKV. A stage's tensor-parallel group is an MPI_Comm_split of the world.
+template <class P>
+int compare_model(kvevict::shard::Communicator& comm, const P& policy, const kvevict_test::Model& m,
+                  const kvevict::Budget& budget, const std::string& what) {
+  const std::vector<kvevict::Selection> whole = policy.select(m.layers, budget);
+  int compared = 0;
+  for (int tp = 1; tp <= comm.size() && tp <= m.kv_heads; ++tp) {
+    if (comm.size() % tp != 0) continue;
+    const int pp = comm.size() / tp;
+    if (pp > static_cast<int>(m.layers.size())) continue;
+    MPI_Comm stage_comm;
+    MPI_Comm_split(MPI_COMM_WORLD, comm.rank() / tp, comm.rank(), &stage_comm);
+    {
+      kvevict::shard::MpiCommunicator stage(stage_comm);
+      const kvevict_test::RankPart p = kvevict_test::rank_part(m, tp, pp, comm, stage);
+      const auto [bad, heads] = kvevict_test::mismatches(whole, p, policy.select(p.layers, budget, p.shard));
+      compared += heads;
+      for (const std::string& b : bad)
+        check(false, what + ", tp " + std::to_string(tp) + " x pp " + std::to_string(pp) + ", rank " +
+                         std::to_string(comm.rank()) + ": " + b);
+    }
+    MPI_Comm_free(&stage_comm);
+  }
+  return compared;
+}
+
+int compare_models(kvevict::shard::Communicator& comm) {
+  kvevict_test::Rng rng(20261207);
+  kvevict::AdaKV::Params ada;
+  ada.window = 4;
+  int compared = 0;
+  for (int c = 0; c < 6; ++c) {
+    const kvevict_test::Model m =
+        kvevict_test::random_model(rng, 2 + c % 3, c % 2 == 0 ? 4 : 2, 1 + c % 2, c % 3 == 0, c % 2 == 1, -1);
+    const std::string what = "model " + std::to_string(c);
+    for (const kvevict::Budget& budget : {kvevict::Budget::keep_ratio(0.3), kvevict::Budget::tokens(10)}) {
+      compared += compare_model(comm, kvevict_test::with_window<kvevict::LayerDefensiveKV>(4), m, budget,
+                                "LayerDefensiveKV, " + what);
+      compared += compare_model(comm, kvevict_test::with_window<kvevict::OpenDefensiveKV>(4), m, budget,
+                                "OpenDefensiveKV, " + what);
+      compared += compare_model(comm, kvevict::AdaKV(ada), m, budget, "AdaKV, " + what);
+    }
+  }
+  return compared;
+}
+
 // A KV head held by two ranks is refused on every rank, by name, and nobody hangs.
 void refuse_duplicates(kvevict::shard::Communicator& comm) {
   kvevict_test::ShardRng rng(11);
@@ -94,11 +143,14 @@ int main(int argc, char** argv) {
   {
     kvevict::shard::MpiCommunicator comm;
     const int compared = compare_splits(comm, argc > 1 ? std::stoi(argv[1]) : 100);
+    const int selected = compare_models(comm);
     refuse_duplicates(comm);
     MPI_Allreduce(&failures, &total_failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
     if (comm.rank() == 0)
-      std::printf("test_shard_mpi: %d ranks, %d counts compared on rank 0, %d failures on all ranks\n", comm.size(),
-                  compared, total_failures);
+      std::printf(
+          "test_shard_mpi: %d ranks, %d counts and %d heads' selections compared on rank 0, %d failures on all "
+          "ranks\n",
+          comm.size(), compared, selected, total_failures);
   }
   MPI_Finalize();
   return total_failures == 0 ? 0 : 1;

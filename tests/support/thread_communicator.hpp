@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
@@ -70,17 +71,14 @@ class ThreadCommunicator : public kvevict::shard::Communicator {
   int rank_;
 };
 
-/// Runs body(comm) on `ranks` threads, one communicator each; rethrows the first rank's exception (by rank order)
-/// after every thread has ended.
-inline void run_ranks(int ranks, const std::function<void(kvevict::shard::Communicator&)>& body) {
-  ThreadGroup group(ranks);
+/// Runs rank(r) on `ranks` threads; rethrows the first rank's exception (by rank order) after every thread has ended.
+inline void run_threads(int ranks, const std::function<void(int)>& rank) {
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(ranks));
   std::vector<std::thread> threads;
   for (int r = 0; r < ranks; ++r)
     threads.emplace_back([&, r] {
-      ThreadCommunicator comm(group, r);
       try {
-        body(comm);
+        rank(r);
       } catch (...) {
         errors[static_cast<std::size_t>(r)] = std::current_exception();
       }
@@ -88,6 +86,28 @@ inline void run_ranks(int ranks, const std::function<void(kvevict::shard::Commun
   for (std::thread& t : threads) t.join();
   for (const std::exception_ptr& e : errors)
     if (e) std::rethrow_exception(e);
+}
+
+/// Runs body(comm) on `ranks` threads, one communicator each.
+inline void run_ranks(int ranks, const std::function<void(kvevict::shard::Communicator&)>& body) {
+  ThreadGroup group(ranks);
+  run_threads(ranks, [&](int r) {
+    ThreadCommunicator comm(group, r);
+    body(comm);
+  });
+}
+
+/// Runs body(model, stage) on tp * pp threads, a model split as pp pipeline stages of tp tensor-parallel ranks:
+/// `model` connects every rank (model rank = stage * tp + tensor-parallel rank), `stage` the tp ranks of its stage.
+inline void run_split_ranks(
+    int tp, int pp, const std::function<void(kvevict::shard::Communicator&, kvevict::shard::Communicator&)>& body) {
+  ThreadGroup model(tp * pp);
+  std::vector<std::unique_ptr<ThreadGroup>> stages;
+  for (int s = 0; s < pp; ++s) stages.push_back(std::make_unique<ThreadGroup>(tp));
+  run_threads(tp * pp, [&](int r) {
+    ThreadCommunicator all(model, r), mine(*stages[static_cast<std::size_t>(r / tp)], r % tp);
+    body(all, mine);
+  });
 }
 
 }  // namespace kvevict_test

@@ -41,7 +41,8 @@ typedef enum kvevict_status {
   KVEVICT_OK = 0,
   KVEVICT_INVALID_ARGUMENT = 1, /* bad option, shape, stride, dtype, budget or value: the message says which */
   KVEVICT_OUT_OF_MEMORY = 2,
-  KVEVICT_INTERNAL_ERROR = 3 /* a bug: please report the message */
+  KVEVICT_INTERNAL_ERROR = 3,   /* a bug: please report the message */
+  KVEVICT_COLLECTIVE_FAILED = 4 /* a sharded selection's all_gather returned non-zero (kvevict_communicator) */
 } kvevict_status;
 
 /* Element types of tensors. Keys and values share one; queries, attention and W_o may each have any of the first
@@ -165,6 +166,36 @@ KVEVICT_C_API kvevict_status kvevict_select_layers(const kvevict_policy* policy,
                                                    const kvevict_layer* layers, size_t n_layers,
                                                    kvevict_selection** out);
 KVEVICT_C_API void kvevict_selection_free(kvevict_selection* selection);
+
+/* Sharded selection (docs/algorithms.md#sharded): a collective the engine supplies over its ranks. all_gather writes
+ * recv [size * bytes] with every rank's `bytes` bytes at `send`, in rank order (every rank passes the same `bytes`),
+ * and returns 0 (anything else fails the selection on this rank: a failing collective should fail on every rank, or
+ * abort, never leave the others waiting). */
+typedef struct kvevict_communicator {
+  void* context; /* passed back to all_gather */
+  int32_t rank;  /* this rank, in [0, size) */
+  int32_t size;  /* the number of ranks, >= 1 */
+  int (*all_gather)(void* context, const void* send, size_t bytes, void* recv);
+} kvevict_communicator;
+
+/* This rank's part of a model split across pipeline stages and tensor-parallel ranks. */
+typedef struct kvevict_shard {
+  kvevict_communicator model;       /* every rank of the model */
+  kvevict_communicator layer_group; /* the ranks that hold this rank's layers (all_gather NULL: this rank alone) */
+  const int64_t* layer_ids;         /* [n_layers]: the global id of each layer passed, ascending; the option
+                                       keep_whole names global ids */
+  const int64_t* kv_heads;          /* [n_kv_heads]: the global ids of the KV heads this rank holds of each layer,
+                                       ascending; each layer's tensors hold these heads (their query heads, W_o's
+                                       columns) */
+  size_t n_kv_heads;
+} kvevict_shard;
+
+/* kvevict_select_layers on this rank's part of a sharded model: keeps, for its layers and heads, exactly what the
+ * one-rank call keeps. Every rank calls it with its own part; a failure is reported on every rank of shard->model
+ * with the same message. float32 and float64 caches (any cache at option precision f64). */
+KVEVICT_C_API kvevict_status kvevict_select_layers_sharded(const kvevict_policy* policy, kvevict_budget budget,
+                                                           const kvevict_layer* layers, size_t n_layers,
+                                                           const kvevict_shard* shard, kvevict_selection** out);
 
 /* Reading a selection: layer in [0, layers). The arrays live as long as the selection. */
 KVEVICT_C_API size_t kvevict_selection_layers(const kvevict_selection* selection);

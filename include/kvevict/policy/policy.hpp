@@ -25,6 +25,7 @@
 #include "kvevict/selectors/attention_selector.hpp"
 #include "kvevict/selectors/selector.hpp"
 #include "kvevict/shard/layer_shard.hpp"
+#include "kvevict/shard/model_shard.hpp"
 #include "kvevict/value/value_norm.hpp"
 
 namespace kvevict {
@@ -139,6 +140,15 @@ class Policy {
     return select_sharded<S>(in, budget, shard,
                              name_ + "::select (sharded, layer " + std::to_string(shard.layer) + ")");
   }
+
+  /// This rank's layers of a model split across pipeline stages and tensor-parallel ranks (docs/algorithms.md#sharded):
+  /// layers[i] holds layer shard.layers[i]'s KV heads shard.kv_heads, and every rank of shard.comm calls this with its
+  /// own part. Keeps, for these heads and layers, exactly what select(every layer, budget) keeps on one rank. Takes
+  /// what select(in, budget, LayerShard) takes, and the layer-global policies with such a selector (LayerDefensiveKV,
+  /// OpenDefensiveKV, LayerEngineScores, LayerGlobalPolicy<...>). Errors are thrown on every rank of shard.comm.
+  template <class S = float, class KV, class Q, class W>
+  std::vector<Selection> select(const std::vector<LayerInputs<KV, Q, W>>& layers, const Budget& budget,
+                                const shard::ModelShard& shard) const;
 
  private:
   /// One layer after scoring: the selector's state, the layer's shape and token budget, and the error prefix of
@@ -300,102 +310,22 @@ class Policy {
       return run(scored, where, no_refinement).front();
   }
 
-  /// docs/algorithms.md#sharded. Every check that can fail on one rank alone is agreed on all (require_on_every_rank)
-  /// before the next collective.
+  // Sharded selection (docs/algorithms.md#sharded), defined in policy/sharded.hpp.
   template <class S, class KV, class Q, class W>
   Selection select_sharded(const LayerInputs<KV, Q, W>& in, const Budget& budget, const shard::LayerShard& shard,
-                           const std::string& where) const {
-    const char* at = where.c_str();
-    detail::require(shard.comm != nullptr, at, "the shard needs a communicator (LayerShard::comm)");
-    // What every rank knows alike: the policy and the budget form. Refused the same way on every rank.
-    constexpr bool shardable = detail::shardable_scores<SelectorType>::value && !allocates_model() && !scheduled() &&
-                               detail::allocates_with_top_k<Allocation, shard::LayerTopK>::value;
-    if constexpr (!shardable) {
-      throw invalid_argument(detail::concat(
-          "kvevict::", where, ": ", detail::name_of<SelectorType>(), " on ", detail::name_of<Allocation>(),
-          " looks across heads or layers beyond one top-k of the layer; sharded selection takes SnapKV, AdaKV, "
-          "CriticalKV, CriticalSnapKV, DefensiveKV, AdaKVDefensive, KNorm, KeyDiff, H2O, StreamingLLM and EngineScores "
-          "so far"));
-    } else {
-      return select_shardable<S>(in, budget, shard, where);
-    }
-  }
-
+                           const std::string& where) const;
   template <class S, class KV, class Q, class W>
   Selection select_shardable(const LayerInputs<KV, Q, W>& in, const Budget& budget, const shard::LayerShard& shard,
-                             const std::string& where) const {
-    const char* at = where.c_str();
-    shard::Communicator& comm = *shard.comm;
-    detail::require(params_.per_head_tokens() && !params_.reference_quirks, at,
-                    "sharded selection is per head and token (share per_head, block 1) and without reference_quirks");
-    detail::require(!budget.is_threshold(), at,
-                    "sharded selection takes a count budget (tokens, keep ratio, "
-                    "compression ratio), not a threshold");
-    // This rank's inputs, then every head's length (the budget is resolved against the whole layer).
-    std::string failed;
-    extend::LayerShape shape;
-    const auto message = [&](const invalid_argument& e) {
-      const std::string text = e.what(), prefix = "kvevict::" + where + ": ";
-      return text.compare(0, prefix.size(), prefix) == 0 ? text.substr(prefix.size()) : text;
-    };
-    try {
-      shape = detail::validate_inputs(in, params_.window, at, reads_observation());
-      detail::require(static_cast<Index>(shard.kv_heads.size()) == shape.kv_heads, at, "the shard names ",
-                      shard.kv_heads.size(), " KV heads (LayerShard::kv_heads), the inputs hold ", shape.kv_heads);
-      // The checks scoring makes before a selector's exchanges (DefensiveSelector's sums across heads), made here so
-      // that no rank stops on its own inputs while the others wait in an exchange.
-      if constexpr (reads_observation()) (void)extend::observe<S>(in, shape, at);
-      if constexpr (detail::has_value_norm<Params>::value) {
-        if (selector_.reads_values()) extend::validate_value_inputs(in, shape, params_.value_norm, at);
-      }
-    } catch (const invalid_argument& e) {
-      failed = message(e);
-    }
-    shard::require_on_every_rank(comm, failed.empty(), at, failed);
-    std::vector<std::int64_t> mine;
-    for (Index h = 0; h < shape.kv_heads; ++h)
-      mine.insert(mine.end(), {static_cast<std::int64_t>(shard.kv_heads[static_cast<std::size_t>(h)]),
-                               static_cast<std::int64_t>(shape.length(h)), static_cast<std::int64_t>(shape.group)});
-    const std::vector<std::vector<std::int64_t>> all = shard::all_gather(comm, mine);
-    std::size_t heads = 0;
-    for (const std::vector<std::int64_t>& rank : all) heads += rank.size() / 3;
-    std::vector<std::int64_t> lengths(heads, 0);  // [the layer's KV heads] by global id
-    std::int64_t group = -1;
-    for (const std::vector<std::int64_t>& rank : all)
-      for (std::size_t i = 0; i + 2 < rank.size(); i += 3) {
-        const std::int64_t id = rank[i];
-        detail::require(id >= 0 && id < static_cast<std::int64_t>(heads), at, "KV head id ", id, " must be in [0, ",
-                        heads, ") (the ranks hold ", heads, " KV heads of the layer)");
-        detail::require(lengths[static_cast<std::size_t>(id)] == 0, at, "KV head ", id, " is held by two ranks");
-        detail::require(group < 0 || group == rank[i + 2], at, "every rank's query heads per KV head must agree (",
-                        group, " and ", rank[i + 2], ")");
-        lengths[static_cast<std::size_t>(id)] = rank[i + 1];
-        group = rank[i + 2];
-      }
-    extend::LayerShape whole = shape;  // the layer's shape on all ranks, for the budget
-    whole.kv_heads = static_cast<Index>(lengths.size());
-    whole.query_heads = whole.kv_heads * shape.group;
-    whole.tokens = *std::max_element(lengths.begin(), lengths.end());
-    whole.prefix = whole.tokens - whole.window;
-    whole.lengths.clear();
-    if (std::any_of(lengths.begin(), lengths.end(), [&](std::int64_t l) { return l != whole.tokens; }))
-      whole.lengths.assign(lengths.begin(), lengths.end());
-    std::vector<Scored<S>> scored;
-    try {
-      scored.push_back(score_layer<S>(in, budget, where, {shard.layer, 0}, false, &whole, &shard));
-    } catch (const invalid_argument& e) {
-      failed = message(e);
-    }
-    shard::require_on_every_rank(comm, failed.empty(), at, failed);
-    Selection out;
-    try {
-      out = run(scored, where, no_refinement, shard::LayerTopK{&shard, whole.kv_heads}).front();
-    } catch (const invalid_argument& e) {  // after the top-k's collectives: a check of this rank's heads
-      failed = message(e);
-    }
-    shard::require_on_every_rank(comm, failed.empty(), at, failed);
-    return out;
-  }
+                             const std::string& where) const;
+  template <class S, class KV, class Q, class W>
+  std::vector<Selection> select_model_shardable(const std::vector<LayerInputs<KV, Q, W>>& layers, const Budget& budget,
+                                                const shard::ModelShard& shard, const std::string& where) const;
+  template <class S, class KV, class Q, class W>
+  std::string check_sharded(const LayerInputs<KV, Q, W>& in, const shard::LayerShard& shard,
+                            const std::string& where) const;
+  static extend::LayerShape whole_layer(const extend::LayerShape& shape, const shard::LayerShard& shard,
+                                        const char* at);
+  void check_sharded_params(const Budget& budget, const char* at) const;
 
   /// `budget_shape`: the shape the budget is resolved against when it is not the inputs' own (a sharded layer: every
   /// rank's heads).
@@ -462,6 +392,36 @@ class Policy {
     return run_units(layers, where);
   }
 
+  /// One budget across layers: the model's total, the sum over its layers of kv_heads * n_kept (or the reference's
+  /// formula). A sharded model's is resolved over every rank's layers (shard::ModelTopK::total).
+  template <class S, class TopK>
+  Index model_total(const std::vector<Scored<S>>& layers, const std::string& where, const TopK& top_k) const {
+    if constexpr (std::is_same_v<TopK, shard::ModelTopK>) {
+      (void)layers;
+      (void)where;
+      return top_k.total;
+    } else {
+      (void)top_k;
+      Index total = 0, entries = 0;
+      for (const auto& l : layers) {
+        total += l.shape.kv_heads * static_cast<Index>(l.budget.n_kept);
+        entries += l.shape.entries();
+      }
+      require_model_budget(total, entries, where.c_str());
+      if (params_.reference_quirks) {  // int(L (1 - cr) Hkv NL), every layer alike
+        const Scored<S>& f = layers.front();
+        const double cr = detail::quirk_compression_ratio(f.budget, where.c_str());
+        total = static_cast<Index>(static_cast<double>(f.shape.tokens) * (1.0 - cr) *
+                                   static_cast<double>(f.shape.kv_heads) * static_cast<double>(layers.size()));
+      }
+      return total;
+    }
+  }
+  static void require_model_budget(Index total, Index entries, const char* where) {
+    detail::require(total <= entries, where, "the model budget (", total,
+                    " entries: the sum over layers of kv_heads * n_kept) exceeds what the layers hold (", entries, ")");
+  }
+
   /// Per head, per token: allocate each layer (or all layers at once), select, refine bounds, again until exact.
   template <class S, class Refine, class TopK>
   std::vector<Selection> run_tokens(std::vector<Scored<S>>& layers, const std::string& where, Refine& refine,
@@ -469,24 +429,10 @@ class Policy {
     using L = typename SelectorType::template Layer<S>;
     const std::size_t n = layers.size();
     Index total = 0;  // one budget across layers: the model's
-    if constexpr (allocates_model()) {
-      Index entries = 0;
-      for (const auto& l : layers) {
-        total += l.shape.kv_heads * static_cast<Index>(l.budget.n_kept);
-        entries += l.shape.entries();
-      }
-      detail::require(total <= entries, where.c_str(), "the model budget (", total,
-                      " entries: the sum over layers of kv_heads * n_kept) exceeds what the layers hold (", entries,
-                      ")");
-      if (params_.reference_quirks) {  // int(L (1 - cr) Hkv NL), every layer alike
-        const Scored<S>& f = layers.front();
-        const double cr = detail::quirk_compression_ratio(f.budget, where.c_str());
-        total = static_cast<Index>(static_cast<double>(f.shape.tokens) * (1.0 - cr) *
-                                   static_cast<double>(f.shape.kv_heads) * static_cast<double>(n));
-      }
-    }
+    if constexpr (allocates_model()) total = model_total(layers, where, top_k);
     constexpr bool refining = !std::is_same_v<std::decay_t<Refine>, std::nullptr_t>;
-    const std::optional<Budget>& threshold = layers.front().budget.threshold;
+    // A rank of a sharded model may score no layer and still take part in the top-k across layers.
+    const bool threshold = n > 0 && layers.front().budget.threshold.has_value();
     std::vector<extend::KeepFlags> keep(n);
     std::vector<std::vector<Index>> budgets(n);
     for (;;) {
@@ -503,11 +449,11 @@ class Policy {
       if (threshold) {  // the scores decide the counts (docs/algorithms.md#threshold-budgets)
         std::vector<extend::ScoreMap<S>*> maps;
         for (std::size_t l = 0; l < n; ++l) maps.push_back(&selected(l).allocation);
-        budgets = detail::threshold_budgets(maps, detail::CountBounds::of(*threshold));
+        budgets = detail::threshold_budgets(maps, detail::CountBounds::of(*layers.front().budget.threshold));
       } else if constexpr (allocates_model()) {
         std::vector<const extend::ScoreMap<S>*> maps;
         for (std::size_t l = 0; l < n; ++l) maps.push_back(&selected(l).allocation);
-        budgets = allocation_.allocate_model(maps, total);
+        budgets = allocation_.allocate_model(maps, total, top_k);
       } else {
         for (std::size_t l = 0; l < n; ++l) {
           if constexpr (std::is_same_v<TopK, extend::LocalTopK>)
@@ -640,3 +586,5 @@ template <class Selector>
 using LayerGlobalPolicy = Policy<LayerGlobalAllocation, Selector>;
 
 }  // namespace kvevict
+
+#include "kvevict/policy/sharded.hpp"  // the sharded entry points

@@ -91,13 +91,52 @@ std::vector<Index> top_k_counts(const ScoreMap<S>& map, Index k) {
   return top_k_counts(map, k, [](std::size_t) { return true; });
 }
 
+/// Per-(layer, KV head) budgets from one top-k of `total` entries over all layers' maps. Order: the tiers of
+/// ScoreMap (safeguard, window, forced, scored), score descending within a tier (0 in the window), then the more
+/// recent token (higher original position), the lower layer, the lower KV head (docs/algorithms.md#ties): the
+/// per-layer order with the layer between the position and the head. Linear expected time.
+template <class S>
+std::vector<std::vector<Index>> allocate_layer_global(const std::vector<const ScoreMap<S>*>& layers, Index total) {
+  struct Entry {
+    std::uint32_t layer;
+    std::size_t flat;
+  };
+  std::vector<Entry> cand;
+  std::size_t size = 0;
+  for (const ScoreMap<S>* m : layers) size += m->score.size();
+  cand.reserve(size);
+  for (std::size_t l = 0; l < layers.size(); ++l)
+    for (std::size_t f = 0; f < layers[l]->score.size(); ++f)
+      if (layers[l]->tier[f] != Tier::absent) cand.push_back({static_cast<std::uint32_t>(l), f});
+  KVEVICT_ASSERT(total >= 0 && static_cast<std::size_t>(total) <= cand.size());
+  auto ranks_before = [&](const Entry& a, const Entry& b) {
+    const int c = detail::compare_ranks(*layers[a.layer], a.flat, *layers[b.layer], b.flat);
+    if (c != 0) return c < 0;
+    return a.layer != b.layer ? a.layer < b.layer : a.flat < b.flat;  // then the lower layer, the lower KV head
+  };
+  const auto k = static_cast<std::size_t>(total);
+  if (k > 0 && k < cand.size())
+    std::nth_element(cand.begin(), cand.begin() + static_cast<std::ptrdiff_t>(k - 1), cand.end(), ranks_before);
+  std::vector<std::vector<Index>> budgets(layers.size());
+  for (std::size_t l = 0; l < layers.size(); ++l) budgets[l].assign(static_cast<std::size_t>(layers[l]->heads), 0);
+  for (std::size_t i = 0; i < k; ++i)
+    ++budgets[cand[i].layer][cand[i].flat / static_cast<std::size_t>(layers[cand[i].layer]->tokens)];
+  return budgets;
+}
+
 /// The top-k an allocation that ranks across KV heads calls: how many of each head's entries are among the top k of
-/// the layer. This one ranks the map alone; shard::LayerTopK ranks a layer whose heads are split across ranks
-/// (docs/algorithms.md#sharded). heads(map): the layer's KV heads (the map's, or every rank's).
+/// the layer. This one ranks the map alone; shard::LayerTopK ranks a layer whose heads are split across ranks, and
+/// shard::ModelTopK layers split across ranks (docs/algorithms.md#sharded). heads(map): the layer's KV heads (the
+/// map's, or every rank's).
 struct LocalTopK {
   template <class S, class Pred>
   std::vector<Index> operator()(const ScoreMap<S>& map, Index k, Pred eligible) const {
     return top_k_counts(map, k, eligible);
+  }
+  /// One top-k over several layers' maps (a layer-global allocation): allocate_layer_global.
+  template <class S>
+  std::vector<std::vector<Index>> across_layers(const std::vector<const ScoreMap<S>*>& layers, Index total) const {
+    return allocate_layer_global(layers, total);
   }
   template <class S>
   Index heads(const ScoreMap<S>& map) const {

@@ -30,6 +30,16 @@ class Communicator {
   virtual void all_gather(const void* send, std::size_t bytes, void* recv) = 0;
 };
 
+/// A communicator of one rank (a layer no other rank shares: ModelShard::layer_group left null).
+class SelfCommunicator : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  void all_gather(const void* send, std::size_t bytes, void* recv) override {
+    if (bytes > 0) std::memmove(recv, send, bytes);
+  }
+};
+
 /// Counts what another communicator carries for this rank: bytes sent and collective rounds (the traffic of a
 /// sharded selection, for benchmarks and tests).
 class CountingCommunicator : public Communicator {
