@@ -1,6 +1,7 @@
 # The C API's tests (include/kvevict/c/kvevict.h, cmake/c_api.cmake), when kvevict::c is built:
 #   c_api.c_program   tests/c/test_c_api.c, a C99 program (no framework) against the static kvevict::c
-#   c_api.*           tests/c/test_c_api_matches.cpp (Catch2): the C API's selections equal the C++ API's
+#   c_api.*           tests/c/test_c_api_matches.cpp (Catch2): the C API's selections equal the C++ API's;
+#                     tests/c/test_c_api_sharded.cpp: kvevict_select_layers_sharded over thread ranks
 if(NOT TARGET kvevict_c)
   return()
 endif()
@@ -39,7 +40,8 @@ if(KVEVICT_SANITIZED)
   return()
 endif()
 find_package(Threads REQUIRED)
-add_executable(kvevict_c_api_tests ${CMAKE_CURRENT_LIST_DIR}/test_c_api_matches.cpp)
+add_executable(kvevict_c_api_tests ${CMAKE_CURRENT_LIST_DIR}/test_c_api_matches.cpp
+                                  ${CMAKE_CURRENT_LIST_DIR}/test_c_api_sharded.cpp)
 target_include_directories(kvevict_c_api_tests PRIVATE ${CMAKE_CURRENT_LIST_DIR}/..)
 target_link_libraries(kvevict_c_api_tests PRIVATE kvevict::c kvevict::kvevict kvevict_catch_main Threads::Threads
                                                   kvevict_warnings)
