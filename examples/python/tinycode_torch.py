@@ -13,17 +13,25 @@ follows the C++ demo's continuation-loss protocol in oneshot mode (examples/kvev
   4. loss = mean NLL (nats/byte) of bytes 1536..2047; byte 1536 is predicted by the prefill's last position.
 
 Only torch, numpy and the standard library; `--policy full` needs no kvevict module at all.
+
+`--tensor-parallel N` runs the same protocol on N processes (torch.distributed, gloo backend) that split the KV heads
+as a tensor-parallel engine does: each rank attends with its KV heads (and their query heads), multiplies by its
+columns of W_o and all-reduces; each rank's cache holds its heads only, and kvevict.select_layers(..., shard=...)
+evicts them exactly as the one-process call would (docs/algorithms.md#sharded), over a communicator whose
+all_gather is torch.distributed.all_gather.
 """
 import argparse
 import json
 import math
 import os
+import socket
 import struct
 import sys
 import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 CONTEXT, TOTAL, DOC_BYTES = 1536, 2048, 2560  # examples/tinycode/eval.hpp (ContinuationTask, load_docs)
 WINDOW = 32  # the demo's eviction window: queries of the last 32 context positions
@@ -122,11 +130,41 @@ def attention(q, keys, values, cached):
     return out
 
 
-def extend(model, cache, tokens, first_pos):
+class TensorParallel:
+    """This process's share of the KV heads (contiguous, as engines split them) among `size` gloo ranks; size 1:
+    every head, no communication."""
+
+    def __init__(self, model, rank=0, size=1):
+        self.rank, self.size = rank, size
+        per = model.n_kv // size
+        self.kv_heads = list(range(rank * per, (rank + 1) * per))
+
+    def all_reduce(self, x):
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+
+class GlooCommunicator:
+    """kvevict's communicator (docs/algorithms.md#sharded) over torch.distributed: all_gather of bytes, rank order."""
+
+    def __init__(self):
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+
+    def all_gather(self, data):
+        mine = torch.tensor(list(data), dtype=torch.uint8)
+        out = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(out, mine)
+        return b"".join(bytes(t.numpy()) for t in out)
+
+
+def extend(model, cache, tokens, first_pos, tp=None):
     """Runs `tokens` (LongTensor [n]) at positions first_pos .. first_pos + n - 1 on `cache` (appending their keys
     and values); returns logits [n, vocab] (row i predicts the token after tokens[i]). On an empty cache this is the
-    prefill; on a compressed cache it is n teacher-forced decoding steps (Engine::extend in engine.hpp)."""
+    prefill; on a compressed cache it is n teacher-forced decoding steps (Engine::extend in engine.hpp). With `tp`
+    (TensorParallel) only its KV heads attend, and their share of the output projection is all-reduced."""
     n, d, G = tokens.shape[0], model.d, model.group
+    tp = tp or TensorParallel(model)
     pos = torch.arange(first_pos, first_pos + n)
     x = model.embed[tokens]  # [n, d_model]
     for l, w in enumerate(model.layers):
@@ -137,13 +175,15 @@ def extend(model, cache, tokens, first_pos):
         if n >= WINDOW:  # remember the window queries for eviction (only the prefill's are used here)
             cache.window_q[l] = q[-WINDOW:].permute(1, 0, 2).contiguous()  # [H, w, d], oldest first
         out = torch.empty(n, model.n_head, d)
-        for kh in range(model.n_kv):
+        for kh in tp.kv_heads:
             keys = torch.cat([cache.k[l][kh], k[:, kh]])  # [cached + n, d]: kept rows, then the new tokens
             values = torch.cat([cache.v[l][kh], v[:, kh]])
             cache.k[l][kh], cache.v[l][kh] = keys, values
             heads = slice(kh * G, (kh + 1) * G)  # the query heads sharing this KV head (GQA)
             out[:, heads] = attention(q[:, heads].permute(1, 0, 2), keys, values, keys.shape[0] - n).permute(1, 0, 2)
-        x = x + linear(out.view(n, -1), w["wo"])  # heads concatenated: head j is columns j*d .. j*d+d-1 of W_o
+        # heads concatenated: head j is columns j*d .. j*d+d-1 of W_o (tensor parallel: this rank's heads' columns)
+        cols = slice(tp.kv_heads[0] * G * d, (tp.kv_heads[-1] + 1) * G * d)
+        x = x + tp.all_reduce(linear(out.view(n, -1)[:, cols], w["wo"][:, cols]))
         h = model.rms_norm(x, w["mlp_norm"])
         x = x + linear(torch.nn.functional.silu(linear(h, w["w_gate"])) * linear(h, w["w_up"]), w["w_down"])
     return linear(model.rms_norm(x, model.final_norm), model.embed)
@@ -151,31 +191,38 @@ def extend(model, cache, tokens, first_pos):
 
 # ---- eviction ---------------------------------------------------------------------------------------------------
 
-def evict(kvevict, model, cache, policy, keep):
+def evict(kvevict, model, cache, policy, keep, tp):
     """Compresses every layer with one kvevict.select_layers call, as the demo does: per-layer policies select
-    layer by layer, layer-global ones (layer-defensivekv) split the budget across layers jointly."""
-    inputs = [dict(keys=torch.stack(cache.k[l]),      # [Hkv, L, d] (layout "heads"); all heads hold L = 1536 now
-                   values=torch.stack(cache.v[l]),    # [Hkv, L, d]
-                   q_window=cache.window_q[l],        # [H, 32, d], post-RoPE
-                   w_o=model.layers[l]["wo"])         # [d_model, H * d], for value-aware policies
+    layer by layer, layer-global ones (layer-defensivekv) split the budget across layers jointly. Tensor parallel:
+    each rank passes its KV heads, their query heads and W_o columns, and the shard."""
+    heads, G, d = tp.kv_heads, model.group, model.d
+    qs, cols = slice(heads[0] * G, (heads[-1] + 1) * G), slice(heads[0] * G * d, (heads[-1] + 1) * G * d)
+    inputs = [dict(keys=torch.stack([cache.k[l][h] for h in heads]),    # [Hkv, L, d] (layout "heads"); L = 1536 now
+                   values=torch.stack([cache.v[l][h] for h in heads]),  # [Hkv, L, d]
+                   q_window=cache.window_q[l][qs],                      # [H, 32, d], post-RoPE
+                   w_o=model.layers[l]["wo"][:, cols].contiguous())     # [d_model, H * d], for value-aware policies
               for l in range(model.n_layer)]
     # positions default to 0 .. L-1, the original positions of a freshly prefilled cache
-    selections = kvevict.select_layers(policy, inputs, keep=keep)
+    shard = None if tp.size == 1 else dict(comm=GlooCommunicator(), layer_group=GlooCommunicator(),
+                                           layers=list(range(model.n_layer)), kv_heads=heads)
+    selections = kvevict.select_layers(policy, inputs, keep=keep, shard=shard)
     for l, sel in enumerate(selections):
-        for h in range(model.n_kv):
-            rows = torch.from_numpy(sel.head(h))  # kept rows of KV head h, ascending
+        for i, h in enumerate(heads):
+            rows = torch.from_numpy(sel.head(i))  # kept rows of KV head h, ascending
             cache.k[l][h], cache.v[l][h] = cache.k[l][h][rows], cache.v[l][h][rows]
 
 
-def continuation_loss(model, doc, policy, keep, kvevict=None):
-    """The demo's oneshot protocol on one doc (eval.hpp ContinuationTask); returns (loss, kept rows per head)."""
+def continuation_loss(model, doc, policy, keep, kvevict=None, tp=None):
+    """The demo's oneshot protocol on one doc (eval.hpp ContinuationTask); returns (loss, kept rows per head of
+    this rank)."""
+    tp = tp or TensorParallel(model)
     context, continuation = doc[:CONTEXT], doc[CONTEXT:TOTAL]
     cache = KVCache(model)
-    context_logits = extend(model, cache, context, 0)  # full attention over the 1536-byte context
+    context_logits = extend(model, cache, context, 0, tp)  # full attention over the 1536-byte context
     if policy != "full":
-        evict(kvevict, model, cache, policy, keep)
-    kept = [cache.k[l][h].shape[0] for l in range(model.n_layer) for h in range(model.n_kv)]
-    after_logits = extend(model, cache, continuation[:-1], CONTEXT)  # bytes 1536..2046 at their original positions
+        evict(kvevict, model, cache, policy, keep, tp)
+    kept = [cache.k[l][h].shape[0] for l in range(model.n_layer) for h in tp.kv_heads]
+    after_logits = extend(model, cache, continuation[:-1], CONTEXT, tp)  # bytes 1536..2046 at original positions
     # predictions of bytes 1536..2047: the prefill's last row, then the compressed cache's rows; NLL in double
     logits = torch.cat([context_logits[-1:], after_logits]).double()
     nll = -logits.log_softmax(-1).gather(1, continuation[:, None]).squeeze(1)
@@ -201,18 +248,13 @@ def reference_losses(path, policy, keep):
     sys.exit(f"{path}: no oneshot default-layout record for policy {policy} at keep {keep}")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=os.path.join(HERE, "..", "..", "models", "tinycode"))
-    ap.add_argument("--policy", default="full", help="a kvevict.policies() name, or full (no eviction)")
-    ap.add_argument("--keep", type=float, default=0.1, help="keep ratio: floor(keep * 1536) rows per KV head")
-    ap.add_argument("--docs", type=int, default=4, help="the first N of the 64 eval docs")
-    ap.add_argument("--check-against", metavar="FILE.json", help="exit 1 unless per-doc losses match FILE")
-    ap.add_argument("--tol", type=float, default=1e-4, help="absolute per-doc tolerance of --check-against")
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
+def run(args, tp_rank=0, port=0):
+    """The protocol on this process (tensor-parallel rank tp_rank of args.tensor_parallel); rank 0 reports."""
     torch.set_num_threads(args.threads)
-
+    if args.tensor_parallel > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=tp_rank,
+                                world_size=args.tensor_parallel)
+    say = print if tp_rank == 0 else (lambda *a, **k: None)
     kvevict = None
     if args.policy != "full":
         try:
@@ -222,6 +264,9 @@ def main():
         if args.policy not in kvevict.policies():
             sys.exit(f"unknown policy {args.policy!r}; kvevict.policies(): {', '.join(kvevict.policies())}")
     model = TinyCode(args.model)
+    if model.n_kv % args.tensor_parallel != 0:
+        sys.exit(f"--tensor-parallel {args.tensor_parallel} must divide the model's {model.n_kv} KV heads")
+    tp = TensorParallel(model, tp_rank, args.tensor_parallel)
     with open(os.path.join(args.model, "eval", "docs.bin"), "rb") as f:
         blob = np.frombuffer(f.read(), np.uint8)
     docs = torch.from_numpy(blob.astype(np.int64)).view(-1, DOC_BYTES)[:args.docs]
@@ -231,26 +276,66 @@ def main():
 
     label = "full cache" if args.policy == "full" else f"{args.policy}, keep {args.keep} " \
         f"(n_kept = {int(math.floor(args.keep * CONTEXT))} of {CONTEXT} per KV head)"
-    print(f"tinycode continuation loss, {label}, {len(docs)} docs")
+    parallel = f", KV heads over {tp.size} gloo ranks" if tp.size > 1 else ""
+    say(f"tinycode continuation loss, {label}, {len(docs)} docs{parallel}")
     losses, diffs, t0 = [], [], time.time()
     with torch.no_grad():
         for i, doc in enumerate(docs):
-            loss, kept = continuation_loss(model, doc, args.policy, args.keep, kvevict)
+            loss, kept = continuation_loss(model, doc, args.policy, args.keep, kvevict, tp)
+            if tp.size > 1:  # every rank's heads
+                every = [None] * tp.size
+                dist.all_gather_object(every, kept)
+                kept = [k for rank in every for k in rank]
             losses.append(loss)
             line = f"doc {i:2d}  loss {loss:.6f}  kept/head {min(kept)}..{max(kept)} (mean {np.mean(kept):.1f})"
             if ref is not None:
                 diffs.append(abs(loss - ref[i]))
                 line += f"  reference {ref[i]:.6f}  diff {loss - ref[i]:+.2e}"
-            print(line, flush=True)
-    print(f"mean loss {np.mean(losses):.6f} over {len(losses)} docs ({time.time() - t0:.1f} s)")
+            say(line, flush=True)
+    say(f"mean loss {np.mean(losses):.6f} over {len(losses)} docs ({time.time() - t0:.1f} s)")
     if ref is not None:
         # The C++ engine and this script differ only in float32 summation order: per-doc losses agree to < 1e-6
         # (all 8 policies x 3 keeps). A protocol slip moves them by more than 1e-4 on most docs (keeping 1 row
         # fewer per head: 5e-5 .. 4e-4; a 31-query window: 1e-3 .. 4e-3), so 1e-4 catches it with room for noise.
-        print(f"max abs diff vs {args.check_against}: {max(diffs):.3e} (tolerance {args.tol:g})")
+        # Tensor parallel adds one more order (the ranks' shares of the output projection summed by all_reduce).
+        say(f"max abs diff vs {args.check_against}: {max(diffs):.3e} (tolerance {args.tol:g})")
         if max(diffs) > args.tol:
-            print("MISMATCH", file=sys.stderr)
+            say("MISMATCH", file=sys.stderr)
             return 1
+    return 0
+
+
+def worker(tp_rank, args, port):
+    code = run(args, tp_rank, port)
+    dist.destroy_process_group()
+    if code:
+        sys.exit(code)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=os.path.join(HERE, "..", "..", "models", "tinycode"))
+    ap.add_argument("--policy", default="full", help="a kvevict.policies() name, or full (no eviction)")
+    ap.add_argument("--keep", type=float, default=0.1, help="keep ratio: floor(keep * 1536) rows per KV head")
+    ap.add_argument("--docs", type=int, default=4, help="the first N of the 64 eval docs")
+    ap.add_argument("--check-against", metavar="FILE.json", help="exit 1 unless per-doc losses match FILE")
+    ap.add_argument("--tol", type=float, default=1e-4, help="absolute per-doc tolerance of --check-against")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                    help="split the KV heads over N processes (torch.distributed, gloo)")
+    args = ap.parse_args()
+    if args.tensor_parallel < 1:
+        sys.exit(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
+    if args.tensor_parallel == 1:
+        return run(args)
+    with socket.socket() as s:  # a free local port for the ranks' rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        torch.multiprocessing.spawn(worker, args=(args, port), nprocs=args.tensor_parallel)
+    except torch.multiprocessing.ProcessExitedException as e:
+        print(f"a rank failed: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -18,6 +18,17 @@ foreach(_policy snapkv layer-defensivekv)
                                                                    LABELS python TIMEOUT 600)
 endforeach()
 
+# The same over 2 processes (torch.distributed, gloo) splitting the KV heads, each evicting its heads with
+# select_layers(shard=...): the single-process demo's losses within the same tolerance (docs/algorithms.md#sharded).
+foreach(_policy adakv layer-defensivekv)
+  add_test(NAME examples.python_tinycode_gloo_${_policy}
+           COMMAND ${Python_EXECUTABLE} ${PROJECT_SOURCE_DIR}/examples/python/tinycode_torch.py --policy ${_policy}
+                   --keep 0.1 --docs 2 --tensor-parallel 2
+                   --check-against ${PROJECT_SOURCE_DIR}/docs/results/tinycode-full.json)
+  set_tests_properties(examples.python_tinycode_gloo_${_policy} PROPERTIES ENVIRONMENT "${_kvevict_python_env}"
+                                                                        LABELS python TIMEOUT 600 RUN_SERIAL ON)
+endforeach()
+
 # The install: the module lands in KVEVICT_PYTHON_INSTALL_DIR under the prefix and imports from there (not run for an
 # absolute KVEVICT_PYTHON_INSTALL_DIR, which a scratch prefix would not contain).
 if(NOT IS_ABSOLUTE "${KVEVICT_PYTHON_INSTALL_DIR}")
