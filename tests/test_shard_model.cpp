@@ -49,7 +49,49 @@ int compare(const P& policy, const Model& m, const Budget& budget, int tp, int p
   return compared;
 }
 
+// A preset in a layout: `share` sets of `block` rows (docs/algorithms.md#layouts).
+template <class P>
+P in_layout(kvevict::Sharing share, Index block, typename P::Params p = {}) {
+  p.share = share;
+  p.block = block;
+  return with_window<P>(4, p);
+}
+
 }  // namespace
+
+TEST_CASE("a sharded model in a layout (shared sets, blocks) keeps what one rank keeps", "[shard][layout]") {
+  using kvevict::Sharing;
+  kvevict_test::Rng rng(4242);
+  int compared = 0;
+  for (int c = 0; c < kvevict_test::cases(6); ++c) {
+    const int layers = 2 + c % 3, Hkv = c % 2 == 0 ? 4 : 2, G = 1 + c % 2;
+    const bool dense = c % 3 != 2;  // a shared set needs its heads to hold the same entries
+    const Model m = kvevict_test::random_model(rng, layers, Hkv, G, dense, c % 4 == 1, c == 4 ? 0 : -1, 0);
+    for (const Budget& budget : {Budget::keep_ratio(0.3), Budget::tokens(12)})
+      for (int tp = 1; tp <= Hkv; tp *= 2)
+        for (int pp = 1; pp <= 2; ++pp) {
+          const std::string what = "case " + std::to_string(c) + (dense ? ", dense" : ", ragged") + ", budget " +
+                                   std::to_string(budget.value());
+          compared += compare(in_layout<kvevict::LayerDefensiveKV>(Sharing::per_head, 4), m, budget, tp, pp,
+                              "LayerDefensiveKV per_head/4, " + what);
+          compared +=
+              compare(in_layout<kvevict::AdaKV>(Sharing::per_head, 4), m, budget, tp, pp, "AdaKV per_head/4, " + what);
+          if (!dense) continue;
+          compared += compare(in_layout<kvevict::LayerDefensiveKV>(Sharing::per_layer, 4), m, budget, tp, pp,
+                              "LayerDefensiveKV per_layer/4, " + what);
+          compared += compare(in_layout<kvevict::SnapKV>(Sharing::per_layer, 1), m, budget, tp, pp,
+                              "SnapKV per_layer/1, " + what);
+          compared += compare(in_layout<kvevict::DefensiveKV>(Sharing::per_model, 4), m, budget, tp, pp,
+                              "DefensiveKV per_model/4, " + what);
+          compared += compare(in_layout<kvevict::OpenDefensiveKV>(Sharing::per_model, 1), m, budget, tp, pp,
+                              "OpenDefensiveKV per_model/1, " + what);
+          compared += compare(with_window<kvevict::TOVA>(4), m, budget, tp, pp, "TOVA, " + what);
+          compared += compare(in_layout<kvevict::PyramidKV>(Sharing::per_layer, 4), m, budget, tp, pp,
+                              "PyramidKV per_layer/4, " + what);
+        }
+  }
+  CHECK(compared > kvevict_test::cases(1500));
+}
 
 TEST_CASE("a model split across pipeline stages and tensor-parallel ranks keeps what one rank keeps", "[shard]") {
   kvevict_test::Rng rng(20261207);
@@ -82,6 +124,7 @@ TEST_CASE("a model split across pipeline stages and tensor-parallel ranks keeps 
           compared += compare(with_window<kvevict::LayerGlobalPolicy<kvevict::AttentionSelector>>(4), m, budget, tp, pp,
                               "LayerGlobalPolicy<AttentionSelector>, " + what);
           compared += compare(with_window<kvevict::AdaKV>(4), m, budget, tp, pp, "AdaKV, " + what);
+          compared += compare(with_window<kvevict::PyramidKV>(4), m, budget, tp, pp, "PyramidKV, " + what);
           compared += compare(with_window<kvevict::DefensiveKV>(4), m, budget, tp, pp, "DefensiveKV, " + what);
         }
   }
@@ -116,8 +159,8 @@ TEST_CASE("a sharded model refuses bad shards and policies it cannot split, on e
   SECTION("the model's selection matches on this split") {
     for (const auto& msg : messages(defensive, none)) CHECK(msg.empty());
   }
-  SECTION("a policy that schedules each layer's share") {
-    for (const auto& msg : messages(with_window<kvevict::PyramidKV>(4), none))
+  SECTION("a policy whose scores read another head's positions") {
+    for (const auto& msg : messages(with_window<kvevict::ExpectedAttention>(4), none))
       CHECK_THAT(msg, Catch::Matchers::Contains("sharded selection takes SnapKV"));
   }
   SECTION("a layer held by no rank") {

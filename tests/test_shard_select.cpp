@@ -66,7 +66,12 @@ TEST_CASE("a layer split across tensor-parallel ranks keeps what one rank keeps"
   const auto adakv_original = with_window<kvevict::AdaKV>(4, original);
   kvevict::DefensiveKV::Params l2, no_mass;
   l2.value_norm = kvevict::ValueNorm::l2;
-  no_mass.mass_forcing = false;  // the scores decide (forcing alone can fill these small budgets)
+  no_mass.mass_forcing = false;   // the scores decide (forcing alone can fill these small budgets)
+  kvevict::AdaKV::Params blocks;  // layouts (docs/algorithms.md#layouts): the layer assembled on every rank
+  blocks.block = 4;
+  kvevict::DefensiveKV::Params pages;
+  pages.share = kvevict::Sharing::per_layer;
+  pages.block = 4;
   int compared = 0;
   for (int c = 0; c < kvevict_test::cases(12); ++c) {
     const int Hkv = 1 + c % 5, G = 1 + c % 3, w = 4, d = 8, T = 40 + 7 * c;
@@ -101,6 +106,13 @@ TEST_CASE("a layer split across tensor-parallel ranks keeps what one rank keeps"
                             "AdaKVDefensive, " + what);
         compared += compare(with_window<kvevict::DefensiveKV>(w, no_mass), stored.in, budget, Hkv, G, ranks,
                             "DefensiveKV without mass forcing, " + what);
+        compared += compare(with_window<kvevict::AdaKV>(w, blocks), stored.in, budget, Hkv, G, ranks,
+                            "AdaKV in blocks of 4, " + what);
+        if (dense) {  // one set per layer: its heads hold the same entries
+          compared += compare(with_window<kvevict::TOVA>(w), stored.in, budget, Hkv, G, ranks, "TOVA, " + what);
+          compared += compare(with_window<kvevict::DefensiveKV>(w, pages), stored.in, budget, Hkv, G, ranks,
+                              "DefensiveKV per layer in blocks of 4, " + what);
+        }
       }
     }
   }
@@ -132,11 +144,13 @@ TEST_CASE("sharded selection refuses what it cannot do yet, and bad shards, on e
   const auto none = [](int, LayerInputs<float>&, LayerShard&) {};
   SECTION("a policy that looks across layers") {
     for (const auto& m : messages(with_window<kvevict::LayerDefensiveKV>(4), none))
-      CHECK_THAT(m, Catch::Matchers::Contains("sharded selection takes SnapKV, AdaKV"));
+      CHECK_THAT(m, Catch::Matchers::Contains("sharded selection takes SnapKV, AdaKV, PyramidKV"));
   }
-  SECTION("a shared layout") {
-    const auto tova = with_window<kvevict::TOVA>(4);
-    for (const auto& m : messages(tova, none)) CHECK_THAT(m, Catch::Matchers::Contains("per head and token"));
+  SECTION("one set for the whole model, from one layer") {
+    kvevict::SnapKV::Params p;
+    p.share = kvevict::Sharing::per_model;
+    for (const auto& m : messages(with_window<kvevict::SnapKV>(4, p), none))
+      CHECK_THAT(m, Catch::Matchers::Contains("share = per_model selects every layer at once"));
   }
   SECTION("a KV head held by two ranks") {
     for (const auto& m :

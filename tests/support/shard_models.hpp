@@ -120,20 +120,21 @@ P with_window(Index w, typename P::Params p = {}) {
   return P(p);
 }
 
-// A random model: each layer ragged or dense (its own length), the same Hkv and G; layer `keep_whole` (>= 0) is kept
-// whole (LayerInputs::evict = false).
+// A random model: each layer ragged or dense (36 + length_step * l positions), the same Hkv and G; layer `keep_whole`
+// (>= 0) is kept whole (LayerInputs::evict = false).
 struct Model {
   std::vector<kvevict_test::RaggedStored<float>> stored;
   std::vector<kvevict::LayerInputs<float>> layers;
   Index kv_heads = 0, group = 0;
 };
 template <class Rng>
-Model random_model(Rng& rng, int layers, int Hkv, int G, bool dense, bool tokens_major, int keep_whole) {
+Model random_model(Rng& rng, int layers, int Hkv, int G, bool dense, bool tokens_major, int keep_whole,
+                   int length_step = 5) {
   Model m;
   m.kv_heads = Hkv;
   m.group = G;
   for (int l = 0; l < layers; ++l) {
-    const int T = 36 + 5 * l;
+    const int T = 36 + length_step * l;
     const kvevict_test::Ragged r = kvevict_test::random_ragged(rng, Hkv * G, Hkv, 4, 8, T, dense ? 1.0 : 0.6);
     m.stored.push_back(kvevict_test::store<float>(r, T + 2, tokens_major, 0.0f, 0, true));
   }

@@ -76,10 +76,12 @@ struct PyramidAllocation {
     return static_cast<std::int64_t>(w) + floors[me] + (before < remainder ? 1 : 0);
   }
 
-  /// Per-head budgets [kv_heads]: the layer's n_kept each (at most L_h on a ragged layer), as UniformAllocation.
-  template <class S>
-  std::vector<Index> allocate(extend::ScoreMap<S>& scores, const extend::LayerBudget& budget) const {
-    return UniformAllocation{}.allocate(scores, budget);
+  /// Per-head budgets [kv_heads]: the layer's n_kept each (at most L_h on a ragged layer), as UniformAllocation
+  /// (`top_k`: as UniformAllocation's).
+  template <class S, class TopK = extend::LocalTopK>
+  std::vector<Index> allocate(extend::ScoreMap<S>& scores, const extend::LayerBudget& budget,
+                              const TopK& top_k = TopK{}) const {
+    return UniformAllocation{}.allocate(scores, budget, top_k);
   }
 
  private:

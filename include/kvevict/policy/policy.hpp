@@ -326,6 +326,15 @@ class Policy {
   static extend::LayerShape whole_layer(const extend::LayerShape& shape, const shard::LayerShard& shard,
                                         const char* at);
   void check_sharded_params(const Budget& budget, const char* at) const;
+  template <class S>
+  std::vector<Scored<S>> assemble_layers(shard::Communicator& comm, const std::vector<Scored<S>>& mine,
+                                         const std::vector<shard::LayerShard>& parts, const std::string& where,
+                                         std::vector<Index>& ids) const;
+  template <class S>
+  std::vector<Selection> select_assembled(shard::Communicator& comm, const std::vector<Scored<S>>& mine,
+                                          const std::vector<shard::LayerShard>& parts,
+                                          const std::vector<extend::LayerShape>& shapes,
+                                          const std::string& where) const;
 
   /// `budget_shape`: the shape the budget is resolved against when it is not the inputs' own (a sharded layer: every
   /// rank's heads).
@@ -346,7 +355,8 @@ class Policy {
       detail::require(!budget.is_threshold(), where.c_str(),
                       "a threshold budget decides its counts from the scores; this allocation schedules a count per "
                       "layer: give a count budget (tokens, keep ratio, compression ratio)");
-      if (params_.share != Sharing::per_model) allocation_.schedule(layer, shape, where.c_str());
+      if (params_.share != Sharing::per_model)
+        allocation_.schedule(layer, budget_shape ? *budget_shape : shape, where.c_str());
     }
     const auto& common = static_cast<const ScoringParams&>(params_);
     (void)bounded;  // only selectors with score_bounded read it

@@ -12,12 +12,14 @@ namespace kvevict::shard {
 
 /// This rank's part of one layer: `comm` connects the ranks that hold the layer's KV heads (a tensor-parallel
 /// group), `kv_heads` the global ids of the heads this rank's LayerInputs hold, in their order (ascending), and
-/// `layer` the layer's id (error messages). Policy::select(in, budget, shard) keeps, for these heads, exactly what
-/// the one-rank selection of the whole layer keeps.
+/// `layer` the layer's id. Policy::select(in, budget, shard) keeps, for these heads, exactly what the one-rank
+/// selection of the whole layer keeps. A scheduled allocation (PyramidKV) also needs `layers`, the model's evicted
+/// layers, `layer` being then the layer's place among them (select(in, budget, layer, layers)).
 struct LayerShard {
   Communicator* comm = nullptr;
   std::vector<Index> kv_heads;
   Index layer = 0;
+  Index layers = 0;
 };
 
 /// The top-k of a sharded layer (the allocations' `top_k`, extend::LocalTopK's counterpart): one shard::top_k_counts
