@@ -125,6 +125,8 @@ TEST_CASE("a model split across pipeline stages and tensor-parallel ranks keeps 
                               "LayerGlobalPolicy<AttentionSelector>, " + what);
           compared += compare(with_window<kvevict::AdaKV>(4), m, budget, tp, pp, "AdaKV, " + what);
           compared += compare(with_window<kvevict::PyramidKV>(4), m, budget, tp, pp, "PyramidKV, " + what);
+          compared +=
+              compare(with_window<kvevict::ExpectedAttention>(4), m, budget, tp, pp, "ExpectedAttention, " + what);
           compared += compare(with_window<kvevict::DefensiveKV>(4), m, budget, tp, pp, "DefensiveKV, " + what);
         }
   }
@@ -159,9 +161,11 @@ TEST_CASE("a sharded model refuses bad shards and policies it cannot split, on e
   SECTION("the model's selection matches on this split") {
     for (const auto& msg : messages(defensive, none)) CHECK(msg.empty());
   }
-  SECTION("a policy whose scores read another head's positions") {
-    for (const auto& msg : messages(with_window<kvevict::ExpectedAttention>(4), none))
-      CHECK_THAT(msg, Catch::Matchers::Contains("sharded selection takes SnapKV"));
+  SECTION("the reference code's quirks") {
+    kvevict::LayerDefensiveKV::Params quirks;
+    quirks.reference_quirks = true;
+    for (const auto& msg : messages(with_window<kvevict::LayerDefensiveKV>(4, quirks), none))
+      CHECK_THAT(msg, Catch::Matchers::Contains("sharded selection runs without reference_quirks"));
   }
   SECTION("a layer held by no rank") {
     const Change gap = [](int rank, std::vector<LayerInputs<float>>&, ModelShard& s) {

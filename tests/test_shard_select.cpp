@@ -106,6 +106,8 @@ TEST_CASE("a layer split across tensor-parallel ranks keeps what one rank keeps"
                             "AdaKVDefensive, " + what);
         compared += compare(with_window<kvevict::DefensiveKV>(w, no_mass), stored.in, budget, Hkv, G, ranks,
                             "DefensiveKV without mass forcing, " + what);
+        compared += compare(with_window<kvevict::ExpectedAttention>(w), stored.in, budget, Hkv, G, ranks,
+                            "ExpectedAttention, " + what);
         compared += compare(with_window<kvevict::AdaKV>(w, blocks), stored.in, budget, Hkv, G, ranks,
                             "AdaKV in blocks of 4, " + what);
         if (dense) {  // one set per layer: its heads hold the same entries
@@ -117,6 +119,21 @@ TEST_CASE("a layer split across tensor-parallel ranks keeps what one rank keeps"
     }
   }
   CHECK(compared > kvevict_test::cases(1000));  // a quarter of the cases under the sanitizers
+}
+
+TEST_CASE("sharded Expected Attention reads global KV head 0's window positions", "[shard]") {
+  // Head h's positions spread (h + 1) times (a shift alone cancels out of the averaged rotation): the window queries'
+  // positions are KV head 0's, which a rank holding heads 2-3 does not hold (its own first head's would differ).
+  kvevict_test::Rng rng(77);
+  const kvevict_test::Ragged r = kvevict_test::random_ragged(rng, 8, 4, 4, 8, 48, 0.7);
+  auto stored = kvevict_test::store<float>(r, 48, false, 0.0f);
+  for (Index h = 0; h < 4; ++h)
+    for (Index j = 0; j < 48; ++j) stored.positions[static_cast<std::size_t>(h * 48 + j)] *= h + 1;
+  kvevict::ExpectedAttention::Params p;
+  p.window = 4;
+  p.future_positions = 8;
+  p.sinks = 0;  // the scores decide
+  CHECK(compare(kvevict::ExpectedAttention(p), stored.in, Budget::keep_ratio(0.5), 4, 2, 2, "spread heads") == 4);
 }
 
 TEST_CASE("sharded selection refuses what it cannot do yet, and bad shards, on every rank", "[shard][errors]") {

@@ -78,7 +78,7 @@ def run_split(model, policy, tp, pp, G=2, **budget):
 
 
 @pytest.mark.parametrize("policy", ["layer-defensivekv", "open-defensivekv", "snapkv", "adakv", "defensivekv",
-                                    "pyramidkv", "tova"])
+                                    "pyramidkv", "tova", "expected-attention"])
 @pytest.mark.parametrize("tp,pp", [(1, 2), (2, 1), (2, 2)])
 def test_sharded_equals_one_rank(policy, tp, pp):
     model = random_model(np.random.default_rng(7))
@@ -91,8 +91,8 @@ def test_sharded_equals_one_rank(policy, tp, pp):
 
 def test_sharded_refusals():
     model = random_model(np.random.default_rng(3))
-    with pytest.raises(ValueError, match="sharded selection takes SnapKV"):
-        run_split(model, "expected-attention", 2, 1, keep=0.3)
+    with pytest.raises(ValueError, match="sharded selection runs without reference_quirks"):
+        run_split(model, "snapkv", 2, 1, keep=0.3, reference_quirks=True)
     with pytest.raises(ValueError, match="shard needs comm"):
         kvevict.select_layers("snapkv", model, keep=0.3, shard=dict(layers=[0, 1, 2]))
     with pytest.raises(ValueError, match="one per layer passed"):

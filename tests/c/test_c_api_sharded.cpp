@@ -50,11 +50,13 @@ struct CModel {
       t.strides[0] = sa, t.strides[1] = sb, t.strides[2] = sc;
       return t;
     };
-    const auto at = [](const std::vector<float>& x, std::int64_t offset) { return x.data() + offset; };
-    in.keys = view(at(k[l], h0 * L * d), n, L, d, L * d, d, 1);
-    in.values = view(at(v[l], h0 * L * d), n, L, d, L * d, d, 1);
-    in.q_window = view(at(q[l], h0 * G * w * d), n * G, w, d, w * d, d, 1);
-    in.w_o = view(at(o[l], h0 * G * d), D, n * G * d, 0, Hkv * G * d, 1, 0);
+    const auto at = [&](const std::vector<std::vector<float>>& x, std::int64_t offset) {
+      return x[static_cast<std::size_t>(l)].data() + offset;
+    };
+    in.keys = view(at(k, h0 * L * d), n, L, d, L * d, d, 1);
+    in.values = view(at(v, h0 * L * d), n, L, d, L * d, d, 1);
+    in.q_window = view(at(q, h0 * G * w * d), n * G, w, d, w * d, d, 1);
+    in.w_o = view(at(o, h0 * G * d), D, n * G * d, 0, Hkv * G * d, 1, 0);
     return in;
   }
 };
@@ -91,7 +93,8 @@ TEST_CASE("sharded: kvevict_select_layers_sharded over callbacks equals kvevict_
     for (int l = 0; l < m.layers; ++l) whole.push_back(m.part(l, 0, m.Hkv));
     kvevict_selection* want = nullptr;
     REQUIRE(kvevict_select_layers(policy, kvevict_keep_ratio(0.3), whole.data(), whole.size(), &want) == KVEVICT_OK);
-    for (const auto& [tp, pp] : std::vector<std::pair<int, int>>{{2, 1}, {1, 2}, {2, 2}}) {
+    for (const auto& split : std::vector<std::pair<int, int>>{{2, 1}, {1, 2}, {2, 2}}) {
+      const int tp = split.first, pp = split.second;  // (C++17 lambdas cannot capture structured bindings)
       INFO(name << ", TP " << tp << " x PP " << pp);
       std::mutex mutex;
       int compared = 0;

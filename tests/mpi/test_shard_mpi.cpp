@@ -3,7 +3,7 @@
 // random models, takes its share of each split (TP x PP for every factorisation of the process count, heads contiguous
 // or dealt round-robin), and checks that its counts equal the unsharded top-k's; then that bad shards are refused on
 // every rank; then Policy::select over a ModelShard (random models, a stage's group split from the world; every
-// catalogue policy but expected-attention, per head and in two layouts) against the one-rank selection. Exit 0 when
+// catalogue policy, per head and in two layouts) against the one-rank selection. Exit 0 when
 // every rank passed (docs/algorithms.md#sharded).
 #include <kvevict/kvevict.hpp>
 #include <kvevict/shard/mpi.hpp>
@@ -100,8 +100,8 @@ int compare_model(kvevict::shard::Communicator& comm, const P& policy, const kve
   return compared;
 }
 
-// Every catalogue policy sharded selection takes (all but expected-attention), per head and token, and in two
-// layouts (a page table per layer, blocks of 4; one set per model), on models of equal-length layers.
+// Every catalogue policy, per head and token, and in two layouts (a page table per layer, blocks of 4; one set per
+// model), on models of equal-length layers.
 int compare_models(kvevict::shard::Communicator& comm, int models) {
   kvevict_test::Rng rng(20261207);
   int compared = 0;
@@ -111,7 +111,6 @@ int compare_models(kvevict::shard::Communicator& comm, int models) {
     for (const kvevict::Budget& budget : {kvevict::Budget::keep_ratio(0.3), kvevict::Budget::tokens(12)}) {
       kvevict::catalogue::for_each(kvevict::catalogue::entries(), [&](const auto& entry) {
         const std::string name(entry.name);
-        if (name == "expected-attention") return;
         const bool dense = c % 4 != 3;
         if (!dense && name == "tova") return;  // one set per layer needs its heads to hold the same entries
         const std::string what = name + ", model " + std::to_string(c);

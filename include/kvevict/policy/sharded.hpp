@@ -47,8 +47,9 @@ Selection Policy<Base, Selector>::select_sharded(const LayerInputs<KV, Q, W>& in
     throw invalid_argument(detail::concat(
         "kvevict::", where, ": ", detail::name_of<SelectorType>(), " on ", detail::name_of<Allocation>(),
         " reads across heads or layers what sharded selection does not exchange; a layer's sharded selection takes "
-        "SnapKV, AdaKV, PyramidKV, CriticalKV, CriticalSnapKV, DefensiveKV, AdaKVDefensive, TOVA, KNorm, KeyDiff, H2O, "
-        "StreamingLLM and EngineScores (select(layers, budget, ModelShard) also takes the layer-global ones)"));
+        "SnapKV, AdaKV, PyramidKV, CriticalKV, CriticalSnapKV, DefensiveKV, AdaKVDefensive, TOVA, KNorm, KeyDiff, "
+        "ExpectedAttention, H2O, StreamingLLM and EngineScores (select(layers, budget, ModelShard) also takes the "
+        "layer-global ones); a selector of your own declares static constexpr bool shardable_scores()"));
   } else {
     return select_shardable<S>(in, budget, shard, where);
   }
@@ -245,7 +246,7 @@ std::vector<typename Policy<Base, Selector>::template Scored<S>> Policy<Base, Se
     for (const auto& [h, head] : w.heads) shape.tokens = std::max(shape.tokens, head.length);
     shape.prefix = shape.tokens - shape.window;
     for (const auto& [h, head] : w.heads)
-      if (head.length != shape.tokens) shape.lengths.assign(kv_heads, 0);
+      if (head.length != shape.tokens) shape.lengths.assign(static_cast<std::size_t>(kv_heads), 0);
     if (shape.ragged())
       for (const auto& [h, head] : w.heads) shape.lengths[static_cast<std::size_t>(h)] = head.length;
     L layer{};
@@ -361,9 +362,10 @@ std::vector<Selection> Policy<Base, Selector>::select(const std::vector<LayerInp
     throw invalid_argument(detail::concat(
         "kvevict::", where, ": ", detail::name_of<SelectorType>(), " on ", detail::name_of<Allocation>(),
         " reads across heads or layers what sharded selection does not exchange; sharded selection takes SnapKV, "
-        "AdaKV, PyramidKV, CriticalKV, CriticalSnapKV, DefensiveKV, AdaKVDefensive, TOVA, KNorm, KeyDiff, H2O, "
-        "StreamingLLM, EngineScores and their layer-global forms (LayerDefensiveKV, OpenDefensiveKV, "
-        "LayerEngineScores)"));
+        "AdaKV, PyramidKV, CriticalKV, CriticalSnapKV, DefensiveKV, AdaKVDefensive, TOVA, KNorm, KeyDiff, "
+        "ExpectedAttention, H2O, StreamingLLM, EngineScores and their layer-global forms (LayerDefensiveKV, "
+        "OpenDefensiveKV, LayerEngineScores); a selector of your own declares static constexpr bool "
+        "shardable_scores()"));
   } else {
     return select_model_shardable<S>(layers, budget, shard, where);
   }

@@ -12,6 +12,7 @@
 #include "kvevict/observation/window_attention.hpp"
 #include "kvevict/rope/rerotate.hpp"
 #include "kvevict/selectors/selector.hpp"
+#include "kvevict/shard/layer_shard.hpp"
 
 namespace kvevict {
 
@@ -58,18 +59,20 @@ struct ExpectedAttentionSelector {
   void adjust_budget(extend::LayerBudget& /*budget*/, const extend::LayerShape& /*shape*/,
                      const ScoringParams& /*common*/, const char* /*where*/) const {}
 
+  /// Sharded (docs/algorithms.md#sharded): every head is scored alone but for the window queries' positions, KV
+  /// head 0's, which the rank holding global head 0 sends through budget.shard.
+  static constexpr bool shardable_scores() { return true; }
+
   template <class S, class In>
   Layer<S> score(const In& in, const extend::LayerShape& shape, const ScoringParams& common,
                  const extend::LayerBudget& budget, const char* where) const {
+    // The window queries' positions: those of the last w entries (of KV head 0: the window is the same tokens in
+    // every head). First, before any check that could fail on one rank alone: a sharded layer exchanges them.
+    const std::vector<std::int64_t> query_pos = window_positions(shape, budget.shard);
     validate_layer(in, shape, where);
     const Index d = shape.head_dim, G = shape.group;
     const Index rd = detail::rope_rotary_dim(params_.rope(), d, where);
     const std::vector<double> inv = detail::rope_inv_frequencies(params_.rope_theta, rd);
-    // The window queries' positions: those of the last w entries (of KV head 0: the window is the same tokens in
-    // every head), and the first future position after them.
-    std::vector<std::int64_t> query_pos(static_cast<std::size_t>(shape.window));
-    for (Index i = 0; i < shape.window; ++i)
-      query_pos[static_cast<std::size_t>(i)] = shape.position(0, shape.length(0) - shape.window + i);
     std::vector<S> mean_cos, mean_sin;  // Rbar's pairs [rd / 2]
     averaged_rotation(inv, query_pos.back() + 1, mean_cos, mean_sin);
     const auto turn = [&](S* row) {
@@ -136,6 +139,18 @@ struct ExpectedAttentionSelector {
   }
 
  private:
+  /// The positions of KV head 0's last w entries [w]; of global head 0 on a sharded layer (sent by the rank that holds
+  /// it: kv_heads are ascending, so it is that rank's first).
+  static std::vector<std::int64_t> window_positions(const extend::LayerShape& shape, const shard::LayerShard* shard) {
+    std::vector<std::int64_t> mine;
+    if (!shard || shard->kv_heads.front() == 0)
+      for (Index i = 0; i < shape.window; ++i) mine.push_back(shape.position(0, shape.length(0) - shape.window + i));
+    if (!shard) return mine;
+    for (std::vector<std::int64_t>& rank : shard::all_gather(*shard->comm, mine))
+      if (!rank.empty()) return rank;
+    return mine;  // no rank holds head 0: refused before scoring (every id in [0, Hkv) is held)
+  }
+
   /// Rbar's pairs: the means of cos(t inv_i) and sin(t inv_i) over t in [first, first + future_positions), in double.
   template <class S>
   void averaged_rotation(const std::vector<double>& inv, std::int64_t first, std::vector<S>& mean_cos,
