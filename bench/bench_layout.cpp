@@ -64,37 +64,18 @@ constexpr double kKeep = 0.1;
 struct Stack {
   Model m;
   Index L;
-  std::vector<std::vector<float>> q, k, v, w_o, scores;
+  std::vector<std::unique_ptr<RandomLayer>> tensors;
   std::vector<kvevict::OutputGram<float>> grams;
   std::vector<kvevict::LayerInputs<float>> plain, with_gram;
   Floors floors;
 
   Stack(const Model& model, Index context) : m(model), L(context) {
     const auto n = static_cast<std::size_t>(kLayers);
-    q.resize(n);
-    k.resize(n);
-    v.resize(n);
-    w_o.resize(n);
-    scores.resize(n);
     grams.resize(n);
     for (std::size_t l = 0; l < n; ++l) {
       std::mt19937 rng(static_cast<std::uint32_t>(42 + l));
-      std::normal_distribution<float> normal(0.f, 1.f);
-      const auto fill = [&](std::vector<float>& x, Index size, float scale) {
-        x.resize(static_cast<std::size_t>(size));
-        for (float& e : x) e = scale * normal(rng);
-      };
-      fill(q[l], m.H * kWindow * m.d, 1.f);
-      fill(k[l], L * m.Hkv * m.d, 1.f);
-      fill(v[l], L * m.Hkv * m.d, 1.f);
-      fill(w_o[l], m.D * m.H * m.d, 0.02f);
-      fill(scores[l], m.Hkv * L, 1.f);
-      kvevict::LayerInputs<float> in;
-      in.queries = kvevict::HeadsView<const float>::heads_major(q[l].data(), m.H, kWindow, m.d);
-      in.keys = kvevict::kv_tokens_major<const float>(k[l].data(), L, m.Hkv, m.d);
-      in.values = kvevict::kv_tokens_major<const float>(v[l].data(), L, m.Hkv, m.d);
-      in.w_o = kvevict::output_projection<const float>(w_o[l].data(), m.D, m.H, m.d);
-      in.scores = kvevict::HeadsView<const float>::heads_major(scores[l].data(), m.Hkv, L, 1);
+      tensors.push_back(std::make_unique<RandomLayer>(m, L, rng));
+      kvevict::LayerInputs<float> in = tensors.back()->in;
       grams[l] = kvevict::OutputGram<float>::compute(in.w_o);  // once per layer, at model load
       plain.push_back(in);
       in.w_o_gram = &grams[l];

@@ -39,28 +39,13 @@ constexpr double kKeep = 0.1;
 /// (the value-aware rows run value_norm l2; each rank forms its heads' Gram matrices per call).
 struct ShardStack {
   Index L;
-  std::vector<std::vector<float>> q, k, v, w_o;
+  std::vector<std::unique_ptr<RandomLayer>> tensors;
   std::vector<kvevict::LayerInputs<float>> layers;
   ShardStack(const Model& m, Index context) : L(context) {
-    const auto n = static_cast<std::size_t>(kLayers);
-    q.resize(n), k.resize(n), v.resize(n), w_o.resize(n);
-    for (std::size_t l = 0; l < n; ++l) {
+    for (Index l = 0; l < kLayers; ++l) {
       std::mt19937 rng(static_cast<std::uint32_t>(7 + l));
-      std::normal_distribution<float> normal(0.f, 1.f);
-      const auto fill = [&](std::vector<float>& x, Index size, float scale) {
-        x.resize(static_cast<std::size_t>(size));
-        for (float& e : x) e = scale * normal(rng);
-      };
-      fill(q[l], m.H * kWindow * m.d, 1.f);
-      fill(k[l], L * m.Hkv * m.d, 1.f);
-      fill(v[l], L * m.Hkv * m.d, 1.f);
-      fill(w_o[l], m.D * m.H * m.d, 0.02f);
-      kvevict::LayerInputs<float> in;
-      in.queries = kvevict::HeadsView<const float>::heads_major(q[l].data(), m.H, kWindow, m.d);
-      in.keys = kvevict::kv_tokens_major<const float>(k[l].data(), L, m.Hkv, m.d);
-      in.values = kvevict::kv_tokens_major<const float>(v[l].data(), L, m.Hkv, m.d);
-      in.w_o = kvevict::output_projection<const float>(w_o[l].data(), m.D, m.H, m.d);
-      layers.push_back(in);
+      tensors.push_back(std::make_unique<RandomLayer>(m, L, rng));
+      layers.push_back(tensors.back()->in);
     }
   }
 };

@@ -30,6 +30,33 @@ inline constexpr Model kLlama8B{"Llama-3.1-8B", 32, 8, 128, 4096};
 inline constexpr Model kQwen32B{"Qwen2.5-32B", 40, 8, 128, 5120};
 inline constexpr Index kWindow = 32;
 
+/// One layer's random f32 tensors at context L, drawn from `rng` in this order (normal, W_o scaled by 0.02): window
+/// queries [H, w, d], keys and values tokens-major [L, Hkv, d] (an engine's cache), W_o [D, H d], the engine's scores
+/// [Hkv, L]; and the LayerInputs viewing them (so it is neither copied nor moved).
+struct RandomLayer {
+  std::vector<float> q, k, v, w_o, scores;
+  kvevict::LayerInputs<float> in;
+  RandomLayer(const Model& m, Index L, std::mt19937& rng) {
+    std::normal_distribution<float> normal(0.f, 1.f);
+    const auto fill = [&](std::vector<float>& x, Index size, float scale) {
+      x.resize(static_cast<std::size_t>(size));
+      for (float& e : x) e = scale * normal(rng);
+    };
+    fill(q, m.H * kWindow * m.d, 1.f);
+    fill(k, L * m.Hkv * m.d, 1.f);
+    fill(v, L * m.Hkv * m.d, 1.f);
+    fill(w_o, m.D * m.H * m.d, 0.02f);
+    fill(scores, m.Hkv * L, 1.f);
+    in.queries = kvevict::HeadsView<const float>::heads_major(q.data(), m.H, kWindow, m.d);
+    in.keys = kvevict::kv_tokens_major<const float>(k.data(), L, m.Hkv, m.d);
+    in.values = kvevict::kv_tokens_major<const float>(v.data(), L, m.Hkv, m.d);
+    in.w_o = kvevict::output_projection<const float>(w_o.data(), m.D, m.H, m.d);
+    in.scores = kvevict::HeadsView<const float>::heads_major(scores.data(), m.Hkv, L, 1);
+  }
+  RandomLayer(const RandomLayer&) = delete;
+  RandomLayer& operator=(const RandomLayer&) = delete;
+};
+
 template <class T>
 const char* storage_name() {
   if constexpr (std::is_same_v<T, float>)
