@@ -15,105 +15,20 @@
 
 #include "support/matchers.hpp"
 #include "support/random_inputs.hpp"
+#include "support/stream_engine.hpp"
 
 namespace test_stream {  // this file's scope in unity builds (tests/CMakeLists.txt)
 
 using kvevict::Budget;
 using kvevict::Index;
 using kvevict::Selection;
+using kvevict_test::Engine;
 using kvevict_test::MessageContains;
+using kvevict_test::random_source;
 using kvevict_test::Rng;
+using kvevict_test::Source;
 
 namespace {
-
-/// What a model computes per (layer, position), fixed in advance: keys and values [Hkv, T, d], queries [H, T, d].
-struct Source {
-  int NL = 0, H = 0, Hkv = 0, d = 0, D = 8, T = 0;
-  std::vector<std::vector<double>> k, v, q, w_o;  // per layer
-};
-
-Source random_source(Rng& rng, int NL, int H, int Hkv, int d, int T) {
-  Source s{NL, H, Hkv, d, 8, T, {}, {}, {}, {}};
-  for (int l = 0; l < NL; ++l) {
-    s.k.push_back(kvevict_test::normal_vector(static_cast<std::size_t>(Hkv * T * d), rng));
-    s.v.push_back(kvevict_test::normal_vector(static_cast<std::size_t>(Hkv * T * d), rng));
-    s.q.push_back(kvevict_test::normal_vector(static_cast<std::size_t>(H * T * d), rng, 1.5));
-    s.w_o.push_back(kvevict_test::normal_vector(static_cast<std::size_t>(s.D * H * d), rng, 0.5));
-  }
-  return s;
-}
-
-/// An engine over a Source: keys and values [Hkv, capacity, d] per layer, bookkept by a CacheBook.
-struct Engine {
-  const Source* src;
-  Index capacity, w;
-  kvevict::CacheBook book;
-  std::vector<std::vector<double>> k, v, q_window;  // per layer; q_window [H, w, d]
-  mutable std::vector<std::vector<double>> scores;  // per layer [Hkv, capacity]: engine_score of each held entry
-
-  Engine(const Source& s, Index cap, Index window) : src(&s), capacity(cap), w(window), book(s.NL, s.Hkv, cap) {
-    for (int l = 0; l < s.NL; ++l) {
-      k.emplace_back(static_cast<std::size_t>(s.Hkv * cap * s.d), 0.0);
-      v.emplace_back(static_cast<std::size_t>(s.Hkv * cap * s.d), 0.0);
-      q_window.emplace_back(static_cast<std::size_t>(s.H * window * s.d), 0.0);
-      scores.emplace_back(static_cast<std::size_t>(s.Hkv * cap), 0.0);
-    }
-  }
-  /// The forward pass of c tokens: append their rows after each head's entries, remember the last w queries.
-  void step(Index c) {
-    const std::int64_t first = book.next_position();
-    book.append(c);
-    const int d = src->d;
-    for (int l = 0; l < src->NL; ++l) {
-      for (int h = 0; h < src->Hkv; ++h) {
-        const Index len = book.layer(l).length(h);
-        for (Index i = 0; i < c; ++i)
-          for (int x = 0; x < d; ++x) {
-            const auto from = static_cast<std::size_t>((h * src->T + first + i) * d + x);
-            const auto to = static_cast<std::size_t>((h * capacity + len - c + i) * d + x);
-            k[static_cast<std::size_t>(l)][to] = src->k[static_cast<std::size_t>(l)][from];
-            v[static_cast<std::size_t>(l)][to] = src->v[static_cast<std::size_t>(l)][from];
-          }
-      }
-      const std::int64_t last = first + c;  // window queries: positions last - w .. last - 1
-      for (int qh = 0; qh < src->H; ++qh)
-        for (Index i = 0; i < w; ++i)
-          for (int x = 0; x < d; ++x)
-            q_window[static_cast<std::size_t>(l)][static_cast<std::size_t>((qh * w + i) * d + x)] =
-                src->q[static_cast<std::size_t>(l)][static_cast<std::size_t>((qh * src->T + last - w + i) * d + x)];
-    }
-  }
-  kvevict::LayerInputs<double> inputs(Index l) const {
-    const auto L = static_cast<std::size_t>(l);
-    kvevict::LayerInputs<double> in;
-    in.queries = kvevict::HeadsView<const double>::heads_major(q_window[L].data(), src->H, w, src->d);
-    in.keys = kvevict::kv_heads_major<const double>(k[L].data(), src->Hkv, capacity, src->d);
-    in.values = kvevict::kv_heads_major<const double>(v[L].data(), src->Hkv, capacity, src->d);
-    in.w_o = kvevict::output_projection<const double>(src->w_o[L].data(), src->D, src->H, src->d);
-    for (int h = 0; h < src->Hkv; ++h)
-      for (Index j = 0; j < book.layer(l).length(h); ++j)
-        scores[L][static_cast<std::size_t>(h * capacity + j)] =
-            kvevict_test::engine_score(h, book.layer(l).position(h, j));
-    in.scores = kvevict::HeadsView<const double>::heads_major(scores[L].data(), src->Hkv, capacity, 1);
-    return in;
-  }
-  template <class P>
-  Index evict(const P& policy, Index n) {
-    return kvevict::evict_over_budget<double>(
-        policy, book, n, [&](Index l) { return inputs(l); },
-        [&](Index l, const Selection& s) {
-          const auto L = static_cast<std::size_t>(l);
-          book.layer(l).apply(s, kvevict::kv_heads_major<double>(k[L].data(), src->Hkv, capacity, src->d),
-                              kvevict::kv_heads_major<double>(v[L].data(), src->Hkv, capacity, src->d));
-        });
-  }
-  /// Positions held by (layer, head).
-  std::vector<std::int64_t> held(Index l, Index h) const {
-    std::vector<std::int64_t> p;
-    for (Index j = 0; j < book.layer(l).length(h); ++j) p.push_back(book.layer(l).position(h, j));
-    return p;
-  }
-};
 
 /// The one-shot inputs of the first T tokens of `s`: dense layers, queries of positions T - w .. T - 1.
 struct Dense {

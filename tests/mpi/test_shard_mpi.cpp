@@ -3,7 +3,8 @@
 // random models, takes its share of each split (TP x PP for every factorisation of the process count, heads contiguous
 // or dealt round-robin), and checks that its counts equal the unsharded top-k's; then that bad shards are refused on
 // every rank; then Policy::select over a ModelShard (random models, a stage's group split from the world; every
-// catalogue policy, per head and in two layouts) against the one-rank selection. Exit 0 when
+// catalogue policy, per head and in two layouts) against the one-rank selection; then evict_over_budget on streams
+// (chunked prefill, capped decoding) against the one-rank engine after every step. Exit 0 when
 // every rank passed (docs/algorithms.md#sharded).
 #include <kvevict/kvevict.hpp>
 #include <kvevict/shard/mpi.hpp>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "support/shard_models.hpp"
+#include "support/stream_engine.hpp"
 
 namespace {
 
@@ -130,6 +132,60 @@ int compare_models(kvevict::shard::Communicator& comm, int models) {
   return compared;
 }
 
+// evict_over_budget over a ModelShard while the cache grows (chunked prefill, capped decoding): after every step,
+// this rank's engine (its stage's layers, its KV heads) holds what the one-rank engine of the model holds. Every
+// catalogue policy per head, and a page table per layer (blocks of 4); each factorisation tp x pp of the ranks.
+int compare_streams(kvevict::shard::Communicator& comm, int models) {
+  kvevict_test::Rng rng(20261210);
+  const Index w = 4, T = 56, Hkv = 4;
+  int compared = 0;
+  for (int c = 0; c < models; ++c) {
+    const int G = 1 + c % 2;
+    const kvevict_test::Source src = kvevict_test::random_source(rng, 2, Hkv * G, Hkv, 8, T);
+    const Index n = 10 + c % 3, kept_whole = c % 3 == 2 ? 0 : -1;
+    for (const kvevict_test::Stream& stream : {kvevict_test::chunked(rng, w, T), kvevict_test::capped(w, T)})
+      kvevict::catalogue::for_each(kvevict::catalogue::entries(), [&](const auto& entry) {
+        for (const kvevict::Sharing share : {kvevict::Sharing::per_head, kvevict::Sharing::per_layer}) {
+          kvevict::Knobs knobs;
+          knobs.window = w;
+          knobs.share = share;
+          knobs.block = share == kvevict::Sharing::per_head ? 1 : 4;
+          const auto policy = entry.make(knobs);
+          const kvevict_test::History whole = kvevict_test::one_rank(policy, src, stream, w, n, kept_whole);
+          for (int tp = 1; tp <= comm.size() && tp <= Hkv; ++tp) {
+            if (comm.size() % tp != 0) continue;
+            const int pp = comm.size() / tp, stage_id = comm.rank() / tp;
+            if (pp > src.NL) continue;
+            MPI_Comm stage_comm;
+            MPI_Comm_split(MPI_COMM_WORLD, stage_id, comm.rank(), &stage_comm);
+            {
+              kvevict::shard::MpiCommunicator stage(stage_comm);
+              const Index heads = Hkv / tp, h0 = (comm.rank() % tp) * heads;
+              kvevict::shard::ModelShard shard{&comm, &stage, {}, {}};
+              for (Index l = src.NL * stage_id / pp; l < src.NL * (stage_id + 1) / pp; ++l) shard.layers.push_back(l);
+              for (Index h = h0; h < h0 + heads; ++h) shard.kv_heads.push_back(h);
+              kvevict_test::Engine mine(src, T, w, h0, heads, shard.layers, true, kept_whole);
+              bool same = true;
+              for (std::size_t t = 0; t < stream.steps.size(); ++t) {
+                mine.step(stream.steps[t]);
+                mine.evict(policy, n, shard);
+                for (std::size_t i = 0; i < shard.layers.size(); ++i)
+                  for (Index j = 0; j < heads; ++j, ++compared)
+                    same = same &&
+                           mine.held(static_cast<Index>(i), j) == whole[t][shard_sz(shard.layers[i])][shard_sz(h0 + j)];
+              }
+              check(same, std::string(entry.name) + " " + kvevict::to_string(share) + ", stream model " +
+                              std::to_string(c) + " " + stream.name + ", tp " + std::to_string(tp) + " x pp " +
+                              std::to_string(pp) + ", rank " + std::to_string(comm.rank()));
+            }
+            MPI_Comm_free(&stage_comm);
+          }
+        }
+      });
+  }
+  return compared;
+}
+
 // A KV head held by two ranks is refused on every rank, by name, and nobody hangs.
 void refuse_duplicates(kvevict::shard::Communicator& comm) {
   kvevict_test::ShardRng rng(11);
@@ -157,13 +213,14 @@ int main(int argc, char** argv) {
     const int compared = compare_splits(comm, argc > 1 ? std::stoi(argv[1]) : 100);
     // Oversubscribed ranks poll: the argument (100 cases at 2 ranks, 25 at 4) also sets how many models.
     const int selected = compare_models(comm, argc > 1 ? std::max(1, std::stoi(argv[1]) / 25) : 4);
+    const int streamed = compare_streams(comm, argc > 1 ? std::max(1, std::stoi(argv[1]) / 50) : 2);
     refuse_duplicates(comm);
     MPI_Allreduce(&failures, &total_failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
     if (comm.rank() == 0)
       std::printf(
-          "test_shard_mpi: %d ranks, %d counts and %d heads' selections compared on rank 0, %d failures on all "
-          "ranks\n",
-          comm.size(), compared, selected, total_failures);
+          "test_shard_mpi: %d ranks, %d counts, %d heads' selections and %d heads' streamed steps compared on rank 0, "
+          "%d failures on all ranks\n",
+          comm.size(), compared, selected, streamed, total_failures);
   }
   MPI_Finalize();
   return total_failures == 0 ? 0 : 1;

@@ -98,3 +98,25 @@ inline void require_on_every_rank(Communicator& comm, bool ok, const char* where
 }
 
 }  // namespace kvevict::shard
+
+namespace kvevict {
+
+namespace detail {
+
+/// The message of a sharded check, without the "kvevict::<where>: " prefix require_on_every_rank puts back (a
+/// layer's "kvevict::<where> (layer i): " becomes "layer i: ").
+inline std::string shard_message(const invalid_argument& e, const std::string& where) {
+  const std::string text = e.what(), prefix = "kvevict::" + where;
+  if (text.compare(0, prefix.size(), prefix) != 0) return text;
+  std::string rest = text.substr(prefix.size());
+  if (rest.compare(0, 2, ": ") == 0) return rest.substr(2);
+  if (rest.compare(0, 2, " (") == 0) {
+    const std::size_t close = rest.find("): ");
+    if (close != std::string::npos) return rest.substr(2, close - 2) + rest.substr(close + 1);
+  }
+  return text;
+}
+
+}  // namespace detail
+
+}  // namespace kvevict
