@@ -17,6 +17,21 @@
 
 namespace kvevict {
 
+namespace detail {
+
+/// The refusal of a policy whose selector or allocation reads across heads or layers what sharded selection does not
+/// exchange: "<takes> SnapKV, ..., StreamingLLM<tail>" names what the entry point takes.
+template <class Selector, class Allocation>
+invalid_argument unshardable(const std::string& where, const char* takes, const char* tail) {
+  return invalid_argument(concat("kvevict::", where, ": ", name_of<Selector>(), " on ", name_of<Allocation>(),
+                                 " reads across heads or layers what sharded selection does not exchange; ", takes,
+                                 " SnapKV, AdaKV, PyramidKV, CriticalKV, CriticalSnapKV, DefensiveKV, AdaKVDefensive, "
+                                 "TOVA, KNorm, KeyDiff, ExpectedAttention, H2O, StreamingLLM",
+                                 tail, "; a selector of your own declares static constexpr bool shardable_scores()"));
+}
+
+}  // namespace detail
+
 template <class Base, class Selector>
 template <class S, class KV, class Q, class W>
 Selection Policy<Base, Selector>::select_sharded(const LayerInputs<KV, Q, W>& in, const Budget& budget,
@@ -26,12 +41,10 @@ Selection Policy<Base, Selector>::select_sharded(const LayerInputs<KV, Q, W>& in
   constexpr bool shardable = detail::shardable_scores<SelectorType>::value && !allocates_model() &&
                              detail::allocates_with_top_k<Allocation, shard::LayerTopK>::value;
   if constexpr (!shardable) {
-    throw invalid_argument(detail::concat(
-        "kvevict::", where, ": ", detail::name_of<SelectorType>(), " on ", detail::name_of<Allocation>(),
-        " reads across heads or layers what sharded selection does not exchange; a layer's sharded selection takes "
-        "SnapKV, AdaKV, PyramidKV, CriticalKV, CriticalSnapKV, DefensiveKV, AdaKVDefensive, TOVA, KNorm, KeyDiff, "
-        "ExpectedAttention, H2O, StreamingLLM and EngineScores (select(layers, budget, ModelShard) also takes the "
-        "layer-global ones); a selector of your own declares static constexpr bool shardable_scores()"));
+    throw detail::unshardable<SelectorType, Allocation>(
+        where, "a layer's sharded selection takes",
+        " and EngineScores (select(layers, budget, ModelShard) also takes "
+        "the layer-global ones)");
   } else {
     return select_shardable<S>(in, budget, shard, where);
   }
@@ -341,13 +354,10 @@ std::vector<Selection> Policy<Base, Selector>::select(const std::vector<LayerInp
   constexpr bool shardable = detail::shardable_scores<SelectorType>::value &&
                              (allocates_model() || detail::allocates_with_top_k<Allocation, shard::LayerTopK>::value);
   if constexpr (!shardable) {
-    throw invalid_argument(detail::concat(
-        "kvevict::", where, ": ", detail::name_of<SelectorType>(), " on ", detail::name_of<Allocation>(),
-        " reads across heads or layers what sharded selection does not exchange; sharded selection takes SnapKV, "
-        "AdaKV, PyramidKV, CriticalKV, CriticalSnapKV, DefensiveKV, AdaKVDefensive, TOVA, KNorm, KeyDiff, "
-        "ExpectedAttention, H2O, StreamingLLM, EngineScores and their layer-global forms (LayerDefensiveKV, "
-        "OpenDefensiveKV, LayerEngineScores); a selector of your own declares static constexpr bool "
-        "shardable_scores()"));
+    throw detail::unshardable<SelectorType, Allocation>(
+        where, "sharded selection takes",
+        ", EngineScores and their layer-global forms (LayerDefensiveKV, "
+        "OpenDefensiveKV, LayerEngineScores)");
   } else {
     return select_model_shardable<S>(layers, budget, shard, where);
   }
@@ -475,47 +485,46 @@ std::vector<Selection> Policy<Base, Selector>::select_model_shardable(const std:
       }
     }
     shard::require_on_every_rank(comm, failed.empty(), at, failed);
-    if (!params_.per_head_tokens()) {
-      // 5'. A layout (shared sets, blocks) over the model: every layer assembled whole on every rank.
-      std::vector<Selection> kept;
-      try {
-        kept = select_assembled(comm, scored, parts, shapes, where);
-      } catch (const invalid_argument& err) {
-        failed = detail::shard_message(err, where);
+    if constexpr (allocates_model()) {
+      if (params_.per_head_tokens()) {
+        // 5. The model's budget: each layer's Hkv n_kept and entries, once per layer (every rank of a group sends
+        // them).
+        std::vector<std::int64_t> totals;
+        for (std::size_t e = 0; e < evicted.size(); ++e)
+          totals.insert(totals.end(),
+                        {shard.layers[evicted[e]], wholes[e].kv_heads * scored[e].budget.n_kept, wholes[e].entries()});
+        std::map<std::int64_t, std::pair<Index, Index>> by_layer;
+        for (const std::vector<std::int64_t>& rank : shard::all_gather(comm, totals))
+          for (std::size_t i = 0; i + 2 < rank.size(); i += 3) by_layer[rank[i]] = {rank[i + 1], rank[i + 2]};
+        Index total = 0, entries = 0;
+        for (const auto& [layer, t] : by_layer) {
+          total += t.first;
+          entries += t.second;
+        }
+        require_model_budget(total, entries, at);
+        // 6. One top-k over every rank's layers, then each layer's selection.
+        std::vector<Selection> kept;
+        try {
+          kept = run(scored, where, no_refinement, shard::ModelTopK{&comm, parts, total});
+        } catch (const invalid_argument& err) {  // after the top-k's collectives: a check of this rank's layers
+          failed = detail::shard_message(err, where);
+        }
+        shard::require_on_every_rank(comm, failed.empty(), at, failed);
+        for (std::size_t e = 0; e < evicted.size(); ++e) out[evicted[e]] = std::move(kept[e]);
+        return out;
       }
-      shard::require_on_every_rank(comm, failed.empty(), at, failed);
-      for (std::size_t e = 0; e < evicted.size(); ++e) out[evicted[e]] = std::move(kept[e]);
-      return out;
     }
-    if constexpr (!allocates_model()) {
-      KVEVICT_ASSERT(false);  // per head and token with a per-layer allocation: each layer alone, above
-      return out;
-    } else {
-      // 5. The model's budget: each layer's Hkv n_kept and entries, once per layer (every rank of a group sends them).
-      std::vector<std::int64_t> totals;
-      for (std::size_t e = 0; e < evicted.size(); ++e)
-        totals.insert(totals.end(),
-                      {shard.layers[evicted[e]], wholes[e].kv_heads * scored[e].budget.n_kept, wholes[e].entries()});
-      std::map<std::int64_t, std::pair<Index, Index>> by_layer;
-      for (const std::vector<std::int64_t>& rank : shard::all_gather(comm, totals))
-        for (std::size_t i = 0; i + 2 < rank.size(); i += 3) by_layer[rank[i]] = {rank[i + 1], rank[i + 2]};
-      Index total = 0, entries = 0;
-      for (const auto& [layer, t] : by_layer) {
-        total += t.first;
-        entries += t.second;
-      }
-      require_model_budget(total, entries, at);
-      // 6. One top-k over every rank's layers, then each layer's selection.
-      std::vector<Selection> kept;
-      try {
-        kept = run(scored, where, no_refinement, shard::ModelTopK{&comm, parts, total});
-      } catch (const invalid_argument& err) {  // after the top-k's collectives: a check of this rank's layers
-        failed = detail::shard_message(err, where);
-      }
-      shard::require_on_every_rank(comm, failed.empty(), at, failed);
-      for (std::size_t e = 0; e < evicted.size(); ++e) out[evicted[e]] = std::move(kept[e]);
-      return out;
+    // 5'. A layout (shared sets, blocks) over the model: every layer assembled whole on every rank (share = per_model
+    // on a per-layer allocation always takes this path).
+    std::vector<Selection> kept;
+    try {
+      kept = select_assembled(comm, scored, parts, shapes, where);
+    } catch (const invalid_argument& err) {
+      failed = detail::shard_message(err, where);
     }
+    shard::require_on_every_rank(comm, failed.empty(), at, failed);
+    for (std::size_t e = 0; e < evicted.size(); ++e) out[evicted[e]] = std::move(kept[e]);
+    return out;
   }
 }
 
