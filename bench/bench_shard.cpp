@@ -13,7 +13,8 @@
 //
 //   build/release/bench/kvevict_bench --benchmark_filter='BM_shard/' --benchmark_counters_tabular=true
 //
-// Names: BM_shard/<policy>/<TP>x<PP>/<model>/<L>.
+// Names: BM_shard/<policy>/<TP>x<PP>/<model>/<L>; BM_shard_stream/... the same eviction through evict_over_budget
+// over a ModelShard (a CacheBook per rank holding its L tokens): the book's exchange on top (40 bytes a (layer, head)).
 
 #include <benchmark/benchmark.h>
 
@@ -59,16 +60,20 @@ const ShardStack& shard_stack(const Model& m, Index L) {
   return *held;
 }
 
-template <class Policy>
-void BM_Shard(benchmark::State& state, const Model& m, Index L, const Policy& policy, int tp, int pp) {
+/// What one rank sent and holds in one eviction.
+struct Traffic {
+  std::uint64_t model = 0, group = 0;
+  int rounds = 0;
+  Index kept = 0, held = 0;
+};
+
+/// Runs evict(p) -> entries kept on every rank of tp x pp (each through CountingCommunicators), timing the slowest
+/// rank, and reports the counters (the largest over the ranks).
+template <class Evict>
+void run_counted(benchmark::State& state, const Model& m, Index L, int tp, int pp, const std::string& what,
+                 Evict&& evict) {
   const ShardStack& s = shard_stack(m, L);
   const kvevict_test::Model model{{}, s.layers, m.Hkv, m.H / m.Hkv};
-  const auto budget = kvevict::Budget::keep_ratio(kKeep);
-  struct Traffic {
-    std::uint64_t model = 0, group = 0;
-    int rounds = 0;
-    Index kept = 0, held = 0;
-  };
   std::vector<Traffic> traffic(static_cast<std::size_t>(tp * pp));
   for (auto _ : state) {
     std::mutex mutex;
@@ -77,10 +82,7 @@ void BM_Shard(benchmark::State& state, const Model& m, Index L, const Policy& po
       kvevict::shard::CountingCommunicator counted_all(all), counted_stage(stage);
       kvevict_test::RankPart p = kvevict_test::rank_part(model, tp, pp, counted_all, counted_stage);
       Traffic t;
-      const double seconds_taken = seconds([&] {
-        const std::vector<kvevict::Selection> sels = policy.select(p.layers, budget, p.shard);
-        for (const kvevict::Selection& sel : sels) t.kept += sel.total();
-      });
+      const double seconds_taken = seconds([&] { t.kept = evict(p); });
       t.model = counted_all.bytes_sent();
       if (tp > 1) {  // a group of one rank sends nothing
         t.group = counted_stage.bytes_sent();
@@ -110,7 +112,34 @@ void BM_Shard(benchmark::State& state, const Model& m, Index L, const Policy& po
   state.counters["KV_MiB"] = static_cast<double>(most.held) * 4.0 / 1048576.0;
   state.counters["B_per_kept"] = per_kept;
   state.SetLabel(std::string(m.name) + " f32, " + std::to_string(kLayers) + " layers, " + std::to_string(tp * pp) +
-                 " ranks");
+                 " ranks" + what);
+}
+
+/// Policy::select(its layers, keep 10 %, ModelShard) on every rank.
+template <class Policy>
+void BM_Shard(benchmark::State& state, const Model& m, Index L, const Policy& policy, int tp, int pp) {
+  run_counted(state, m, L, tp, pp, "", [&](const kvevict_test::RankPart& p) {
+    Index kept = 0;
+    for (const kvevict::Selection& sel : policy.select(p.layers, kvevict::Budget::keep_ratio(kKeep), p.shard))
+      kept += sel.total();
+    return kept;
+  });
+}
+
+/// evict_over_budget(policy, book, L / 10, ModelShard, ...) on every rank, its CacheBook holding the L tokens of its
+/// layers and heads (one step of the whole prompt): the selection above plus the book's exchange (the due layers).
+template <class Policy>
+void BM_ShardStream(benchmark::State& state, const Model& m, Index L, const Policy& policy, int tp, int pp) {
+  run_counted(state, m, L, tp, pp, ", a CacheBook's step", [&](const kvevict_test::RankPart& p) {
+    kvevict::CacheBook book(static_cast<Index>(p.layers.size()), static_cast<Index>(p.shard.kv_heads.size()), L);
+    book.append(L);
+    Index kept = 0;
+    kvevict::evict_over_budget(
+        policy, book, static_cast<Index>(static_cast<double>(L) * kKeep), p.shard,
+        [&](Index i) { return p.layers[static_cast<std::size_t>(i)]; },
+        [&](Index, const kvevict::Selection& sel) { kept += sel.total(); });  // the shared tensors stay as they are
+    return kept;
+  });
 }
 
 void register_shard() {
@@ -130,6 +159,14 @@ void register_shard() {
                                 std::to_string(pp) + "/" + m.name + "/" + std::to_string(L);
         benchmark::RegisterBenchmark(
             row.c_str(), [m, L, policy, tp = tp, pp = pp](benchmark::State& st) { BM_Shard(st, m, L, policy, tp, pp); })
+            ->Unit(benchmark::kMillisecond)
+            ->UseManualTime()
+            ->Iterations(2);
+        if (L != 4096 || (tp != 2 || pp != 2)) continue;  // a stream row per policy: TP 2 x PP 2 at 4k
+        const std::string stream = "BM_shard_stream/" + row.substr(std::string("BM_shard/").size());
+        benchmark::RegisterBenchmark(
+            stream.c_str(),
+            [m, L, policy, tp = tp, pp = pp](benchmark::State& st) { BM_ShardStream(st, m, L, policy, tp, pp); })
             ->Unit(benchmark::kMillisecond)
             ->UseManualTime()
             ->Iterations(2);

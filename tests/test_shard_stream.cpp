@@ -133,6 +133,33 @@ TEST_CASE("a sharded stream in a layout (a page table per layer, one set per mod
   CHECK(compared > (kvevict_test::sanitized ? 200 : 5000));
 }
 
+TEST_CASE("a sharded stream evicts a layer once it holds one entry over its budget, on every rank alike",
+          "[shard][stream]") {
+  kvevict_test::Rng rng(6);
+  const Source src = kvevict_test::random_source(rng, 2, 4, 4, 8, 40);
+  const kvevict::SnapKV policy = kvevict_test::with_window<kvevict::SnapKV>(4);
+  const kvevict::LayerDefensiveKV global = kvevict_test::with_window<kvevict::LayerDefensiveKV>(4);
+  std::vector<std::vector<Index>> evicted(4);
+  std::vector<Index> held(4);
+  kvevict_test::run_split_ranks(2, 2, [&](Communicator& model, Communicator& stage) {
+    const int r = model.rank();
+    kvevict::shard::ModelShard shard{&model, &stage, {r / 2}, {2 * (r % 2), 2 * (r % 2) + 1}};
+    Engine mine(src, 40, 4, 2 * (r % 2), 2, shard.layers);
+    std::vector<Index>& got = evicted[static_cast<std::size_t>(r)];
+    mine.step(12);
+    got.push_back(mine.evict(policy, 12, shard));  // 12 per head, the budget: not due, the step ends
+    got.push_back(mine.book.step());
+    mine.step(4);
+    got.push_back(mine.evict(policy, 15, shard));  // 16 per head, one over 15 (its step of 4 holds the window): due
+    got.push_back(mine.book.layer(0).entries());
+    mine.step(4);
+    got.push_back(mine.evict(global, 10, shard));  // the model: 4 heads x 2 layers x (15 + 4) > 80, every layer
+    held[static_cast<std::size_t>(r)] = mine.book.layer(0).entries();
+  });
+  for (const std::vector<Index>& got : evicted) CHECK(got == std::vector<Index>{0, 0, 1, 2 * 15, 1});
+  CHECK(held[0] + held[1] + held[2] + held[3] == 2 * 4 * 10);  // the model's budget, split as one budget across layers
+}
+
 TEST_CASE("a sharded stream refuses, on every rank, books that do not match the shard or each other",
           "[shard][stream]") {
   kvevict_test::Rng rng(5);
