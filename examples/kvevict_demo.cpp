@@ -354,6 +354,7 @@ struct RunConfig {
 struct Outcome {
   Matrix logits;            // of the tokens run after the compression
   double select_ms = 0;     // the policy's time, all layers
+  double forward_ms = 0;    // streaming modes: the engine's forward passes over the stream (eviction excluded)
   std::vector<Index> kept;  // cache rows per (layer, KV head) after eviction
   std::string refused;      // the engine's adapter refused the selections: its message (nothing else is set)
 };
@@ -440,13 +441,15 @@ std::vector<std::pair<std::size_t, std::size_t>> steps_of(std::size_t size, Inde
 }
 
 /// Runs `tokens` on `engine` in steps, ending each with the policy's streaming eviction to n (none for the full
-/// cache); returns the logits of every token [tokens, vocab].
+/// cache); returns the logits of every token [tokens, vocab]. Adds the forward passes' time to *forward_ms.
 Matrix stream(Engine& engine, const RunConfig& run, const tinycode::eval::Tokens& tokens, Index n, Index chunk,
-              double* select_ms) {
+              double* select_ms, double* forward_ms) {
   Matrix logits(static_cast<Index>(tokens.size()), engine.model().config.vocab);
   for (const auto& [first, last] : steps_of(tokens.size(), chunk, engine.window())) {
+    const auto t0 = clock_type::now();
     logits.middleRows(static_cast<Index>(first), static_cast<Index>(last - first)) =
         engine.extend(tokens.data() + first, static_cast<Index>(last - first));
+    *forward_ms += ms_since(t0);
     if (run.full()) continue;
     run.policy->stream(engine, n, select_ms, run.layout);
     // The streaming contract: every layer (a layer-global policy: the model) back within n per KV head.
@@ -484,11 +487,14 @@ Matrix run_streaming(const tinycode::Model& model, const Options& opt, const Run
   if (opt.mode == demo::Mode::capped) {
     tinycode::eval::Tokens all = context;
     all.insert(all.end(), after.begin(), after.end());
-    logits = stream(engine, run, all, n, opt.chunk, &out.select_ms);
+    logits = stream(engine, run, all, n, opt.chunk, &out.select_ms, &out.forward_ms);
   } else {
-    logits.topRows(static_cast<Index>(context.size())) = stream(engine, run, context, n, opt.chunk, &out.select_ms);
+    logits.topRows(static_cast<Index>(context.size())) =
+        stream(engine, run, context, n, opt.chunk, &out.select_ms, &out.forward_ms);
     out.kept = engine.kept_lengths();  // after the context's last eviction, as oneshot reports
+    const auto t0 = clock_type::now();
     logits.bottomRows(static_cast<Index>(after.size())) = engine.extend(after);
+    out.forward_ms += ms_since(t0);
     return logits;
   }
   out.kept = engine.kept_lengths();
@@ -544,6 +550,7 @@ struct Prefilled {
 struct DocResult {
   double prefill_ms = 0;
   std::vector<double> loss, select_ms;   // [configurations]
+  std::vector<double> forward_ms;        // [configurations], streaming modes: the stream's forward passes
   std::vector<std::vector<Index>> kept;  // [configurations][layer * kv_head]
   std::vector<std::string> refused;      // [configurations]: the adapter's message, or empty
 };
@@ -560,6 +567,7 @@ DocResult run_doc(const tinycode::Model& model, const tinycode::eval::Tokens& do
       const Matrix logits = run_streaming(model, opt, run, task.context, after, o);
       r.loss.push_back(task.loss(logits.topRows(context_len), logits.bottomRows(logits.rows() - context_len)));
       r.select_ms.push_back(o.select_ms);
+      r.forward_ms.push_back(o.forward_ms);
       r.kept.push_back(std::move(o.kept));
       r.refused.emplace_back();
     }
@@ -752,6 +760,7 @@ int main(int argc, char** argv) {
         r.doc_losses.push_back(d.loss[c]);
         r.loss += d.loss[c] / docs_d;
         r.select_ms += d.select_ms[c] / docs_d;
+        if (!d.forward_ms.empty()) r.forward_ms += d.forward_ms[c] / docs_d;
         for (Index k : d.kept[c]) {
           kept_min = std::min(kept_min, k);
           kept_max = std::max(kept_max, k);
@@ -785,8 +794,9 @@ int main(int argc, char** argv) {
     else
       std::printf(
           "\nselect ms: the policy's time over all evictions of one doc's stream (all layers, compaction included;\n"
-          "mean per doc, one thread each); kept/head: cache rows per (layer, KV head) after the last eviction of\n"
-          "the %s, over all docs. Total %.1f s.\n",
+          "mean per doc, one thread each); forward ms: the engine's forward passes over the same doc (every step and\n"
+          "the continuation, eviction excluded); sel/fw: select ms as a share of forward ms; kept/head: cache rows\n"
+          "per (layer, KV head) after the last eviction of the %s, over all docs. Total %.1f s.\n",
           opt.mode == demo::Mode::chunked ? "context" : "stream", ms_since(t_start) / 1000.0);
     return finish(opt, records);
   } catch (const std::exception& e) {

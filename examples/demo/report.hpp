@@ -78,6 +78,7 @@ struct Record {
   double loss_increase_pct = 0;  // vs the full cache
   int ident_solved = 0, ident_total = 0, assert_solved = 0, assert_total = 0;
   double select_ms = 0, prefill_ms = 0;  // per doc: the policy (all layers) and the full prefill
+  double forward_ms = 0;                 // streaming modes, per doc: the forward passes (eviction excluded)
   double kept_mean = 0;                  // cache rows per (layer, KV head) after eviction, over all docs
   long kept_min = 0, kept_max = 0;
 
@@ -107,6 +108,7 @@ inline nlohmann::json to_json(const Record& r) {
           {"passkey_assert", {r.assert_solved, r.assert_total}},
           {"select_ms", r.select_ms},
           {"prefill_ms", r.prefill_ms},
+          {"forward_ms", r.forward_ms},
           {"kept_per_head", {{"mean", r.kept_mean}, {"min", r.kept_min}, {"max", r.kept_max}}}};
 }
 
@@ -134,6 +136,7 @@ inline Record from_json(const nlohmann::json& j) {
   r.assert_total = j.at("passkey_assert").at(1).get<int>();
   r.select_ms = j.at("select_ms").get<double>();
   r.prefill_ms = j.at("prefill_ms").get<double>();
+  r.forward_ms = j.value("forward_ms", 0.0);  // files written before 2026-12-07: none
   r.kept_mean = j.at("kept_per_head").at("mean").get<double>();
   r.kept_min = j.at("kept_per_head").at("min").get<long>();
   r.kept_max = j.at("kept_per_head").at("max").get<long>();
@@ -180,8 +183,11 @@ inline void print_table(std::FILE* out, const std::vector<Record>& records) {
                      .c_str());
   int name_width = 17;  // the longest policy name (ablations and compositions run longer), columns aligned
   for (const Record& r : records) name_width = std::max(name_width, static_cast<int>(r.label().size()));
+  // The time beside the policy's: the shared prefill (oneshot), or each configuration's forward passes (streaming).
+  const bool streaming = !records.empty() && records.front().mode != Mode::oneshot;
   std::fprintf(out, "%-*s %5s %6s %8s %8s %8s %8s %9s %10s %7s  %s\n", name_width, "policy", "keep", "n_kept", "loss",
-               "vs full", "ident", "assert", "select ms", "prefill ms", "sel/pf", "kept/head mean [min, max]");
+               "vs full", "ident", "assert", "select ms", streaming ? "forward ms" : "prefill ms",
+               streaming ? "sel/fw" : "sel/pf", "kept/head mean [min, max]");
   for (const Record& r : records) {
     if (!r.refused.empty()) {
       std::fprintf(out, "%-*s %5s %6ld  refused by the engine's adapter: %s\n", name_width, r.label().c_str(),
@@ -193,10 +199,11 @@ inline void print_table(std::FILE* out, const std::vector<Record>& records) {
     std::snprintf(asrt, sizeof asrt, "%d/%d", r.assert_solved, r.assert_total);
     std::snprintf(vs, sizeof vs, "%+.2f%%", r.loss_increase_pct);
     std::snprintf(kept, sizeof kept, "%.1f [%ld, %ld]", r.kept_mean, r.kept_min, r.kept_max);
-    char prefill[32] = "-", share[32] = "-";  // no shared prefill in the streaming modes
-    if (r.prefill_ms > 0) {
-      std::snprintf(prefill, sizeof prefill, "%.1f", r.prefill_ms);
-      std::snprintf(share, sizeof share, "%.2f%%", r.select_ms / r.prefill_ms * 100.0);
+    char prefill[32] = "-", share[32] = "-";  // "-": no time recorded (streaming files written before forward_ms)
+    const double other_ms = streaming ? r.forward_ms : r.prefill_ms;
+    if (other_ms > 0) {
+      std::snprintf(prefill, sizeof prefill, "%.1f", other_ms);
+      std::snprintf(share, sizeof share, "%.2f%%", r.select_ms / other_ms * 100.0);
     }
     std::fprintf(out, "%-*s %5s %6ld %8.4f %8s %8s %8s %9.2f %10s %7s  %s\n", name_width, r.label().c_str(),
                  percent(r.keep).c_str(), r.n_kept, r.loss, vs, ident, asrt, r.select_ms, prefill, share, kept);
@@ -257,7 +264,7 @@ inline std::vector<std::string> check_records(const std::vector<Record>& records
   bool have_full = false;
   for (const Record& r : records) {
     if (!r.refused.empty()) continue;  // an engine's adapter refused it: no numbers to check
-    for (double v : {r.loss, r.loss_increase_pct, r.select_ms, r.prefill_ms, r.kept_mean})
+    for (double v : {r.loss, r.loss_increase_pct, r.select_ms, r.prefill_ms, r.forward_ms, r.kept_mean})
       if (!std::isfinite(v)) fail(r, "a non-finite number in the record");
     for (double v : r.doc_losses)
       if (!std::isfinite(v)) fail(r, "a non-finite doc loss");
