@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -199,6 +200,32 @@ TEST_CASE("a sharded stream refuses, on every rank, books that do not match the 
       CHECK_THAT(
           m, Catch::Contains(bad == 0 ? "rank 1 of 2: the book holds 1 layers, the shard names 2 (ModelShard::layers)"
                                       : "layer 0, KV head 0 is held by rank 0 and rank 1"));
+  }
+  // Layer 1 kept whole on rank 0 only; then rank 1's inputs_of throws (an engine's error): every rank refuses, and
+  // nothing is evicted.
+  for (int bad = 0; bad < 2; ++bad) {
+    messages.assign(2, "");
+    kvevict_test::run_split_ranks(2, 1, [&](Communicator& model, Communicator& stage) {
+      const int r = model.rank();
+      kvevict::shard::ModelShard shard{&model, &stage, {0, 1}, {2 * r, 2 * r + 1}};
+      Engine mine(src, 32, 4, 2 * r, 2, {0, 1}, false, bad == 0 && r == 0 ? 1 : -1);
+      mine.step(20);
+      try {
+        kvevict::evict_over_budget<double>(
+            policy, mine.book, 8, shard,
+            [&](Index i) {
+              if (r == 1) throw std::runtime_error("the engine's view of layer " + std::to_string(i) + " failed");
+              return mine.inputs(i);
+            },
+            [&](Index i, const kvevict::Selection& sel) { mine.apply(i, sel); });
+      } catch (const kvevict::invalid_argument& e) {
+        messages[static_cast<std::size_t>(r)] = e.what();
+      }
+      CHECK(mine.book.layer(0).length(0) == 20);
+    });
+    for (const std::string& m : messages)
+      CHECK_THAT(m, Catch::Contains(bad == 0 ? "layer 1 is evicted on one rank and kept whole on another"
+                                             : "rank 1 of 2: the engine's view of layer 0 failed"));
   }
 }
 
