@@ -25,7 +25,8 @@
 // path's time / time and same_as_unpruned = 1 when it keeps the same tokens (both measured in this run); the
 // "layer+critical-l1" rows do the same under one budget across layers (the composition Policy<LayerDefensiveKV,
 // CriticalSelector>).
-// "h2o-carried" is H2O selecting from received attention an engine carries (LayerInputs::accumulated);
+// "h2o-carried" is H2O selecting from received attention an engine carries (LayerInputs::accumulated); "rkv" (key
+// redundancy, O(L^2 d) per head) runs up to 16k;
 // "engine-scores" and "layer-engine-scores" select from scores the engine computed (LayerInputs::scores).
 // Built with KVEVICT_OPENMP, the library (and Eigen's floor GEMMs) run on OpenMP threads, and x_threads = one
 // thread's time / time.
@@ -351,8 +352,9 @@ void register_all() {
       const std::vector<std::string> knobs = entry.knobs();
       if (!entry.make().reads_values() || std::find(knobs.begin(), knobs.end(), "value_norm") == knobs.end()) {
         // Expected Attention's ||v||_2 has no L1/L2 form; the engine-score policies read LayerInputs::scores.
-        register_policy<float>(name, mm, entry.make(), 65536, false, false, false,
-                               /*engine_scores=*/entry.make().reads_scores());
+        // R-KV's key redundancy is O(L^2 d) per head (docs/algorithms.md#redundancy): up to 16k.
+        register_policy<float>(name, mm, entry.make(), entry.make().params().redundancy > 0.0 ? 16384 : 65536, false,
+                               false, false, /*engine_scores=*/entry.make().reads_scores());
         return;
       }
       register_policy<float>(name + "-l2", mm, entry.make(l2), 65536);

@@ -146,6 +146,14 @@ const std::vector<PolicyEntry>& all_policies() {
     list.push_back(entry("open-defensivekv-no-value", "open-defensivekv", no_value, true));
     list.push_back(entry("open-defensivekv-no-mass", "open-defensivekv", no_mass, true));
     list.push_back(entry("open-defensivekv-no-floor", "open-defensivekv", open_no_floor, true));
+    // R-KV's redundancy term (docs/algorithms.md#redundancy): removed from R-KV, added to the layer-global policies
+    // at R-KV's weight.
+    kvevict::Knobs no_redundancy, redundancy;
+    no_redundancy.redundancy = 0.0;
+    redundancy.redundancy = kvevict::RKV::Params{}.redundancy;
+    list.push_back(entry("rkv-no-redundancy", "rkv", no_redundancy, true));
+    list.push_back(entry("layer-defensivekv+redundancy", "layer-defensivekv", redundancy, true));
+    list.push_back(entry("open-defensivekv+redundancy", "open-defensivekv", redundancy, true));
     return list;
   }();
   return policies;

@@ -80,25 +80,25 @@ TEST_CASE("catalogue: budget scopes, knob lists and knobs applied", "[catalogue]
 
   using Names = std::vector<std::string>;
   CHECK(kvevict::knob_names<kvevict::SnapKV::Params>() ==
-        Names{"share", "reduce", "block", "window", "pooling", "kernel", "reference_quirks"});
+        Names{"share", "reduce", "block", "window", "pooling", "kernel", "reference_quirks", "redundancy"});
   CHECK(kvevict::knob_names<kvevict::StreamingLLM::Params>() == Names{"share", "reduce", "block", "sinks"});
   CHECK(kvevict::knob_names<kvevict::CriticalKV::Params>() ==
-        Names{"share", "reduce", "block", "window", "pooling", "kernel", "reference_quirks", "alpha", "adakv_variant",
-              "eps", "first_stage_ratio", "value_norm"});
+        Names{"share", "reduce", "block", "window", "pooling", "kernel", "reference_quirks", "redundancy", "alpha",
+              "adakv_variant", "eps", "first_stage_ratio", "value_norm"});
   CHECK(kvevict::knob_names<kvevict::PyramidKV::Params>() ==
-        Names{"share", "reduce", "block", "window", "pooling", "kernel", "reference_quirks", "beta"});
+        Names{"share", "reduce", "block", "window", "pooling", "kernel", "reference_quirks", "redundancy", "beta"});
   CHECK(kvevict::knob_names<kvevict::ExpectedAttention::Params>() ==
-        Names{"share", "reduce", "block", "window", "pooling", "kernel", "reference_quirks", "rope_theta", "rotary_dim",
-              "rope_layout", "future_positions", "sinks", "covariance", "value_term"});
+        Names{"share", "reduce", "block", "window", "pooling", "kernel", "reference_quirks", "redundancy", "rope_theta",
+              "rotary_dim", "rope_layout", "future_positions", "sinks", "covariance", "value_term"});
   STATIC_REQUIRE(kvevict::budget_scope<kvevict::ExpectedAttention>() == BudgetScope::head);
-  CHECK(kvevict::knob_names<kvevict::H2O::Params>() ==
-        Names{"share", "reduce", "block", "window", "pooling", "kernel", "reference_quirks", "recent_share"});
+  CHECK(kvevict::knob_names<kvevict::H2O::Params>() == Names{"share", "reduce", "block", "window", "pooling", "kernel",
+                                                             "reference_quirks", "redundancy", "recent_share"});
   STATIC_REQUIRE(kvevict::budget_scope<kvevict::H2O>() == BudgetScope::head);
   STATIC_REQUIRE(kvevict::budget_scope<kvevict::Policy<kvevict::PyramidKV, kvevict::DefensiveSelector>>() ==
                  BudgetScope::model);
   CHECK(kvevict::knob_names<kvevict::LayerDefensiveKV::Params>() ==
-        Names{"share", "reduce", "block", "window", "pooling", "kernel", "reference_quirks", "mass_threshold",
-              "value_norm", "floor", "value_term", "mass_forcing", "open_window"});
+        Names{"share", "reduce", "block", "window", "pooling", "kernel", "reference_quirks", "redundancy",
+              "mass_threshold", "value_norm", "floor", "value_term", "mass_forcing", "open_window"});
   CHECK(kvevict::knob_names<kvevict::OpenDefensiveKV::Params>() ==
         kvevict::knob_names<kvevict::LayerDefensiveKV::Params>());
   STATIC_REQUIRE(kvevict::budget_scope<kvevict::OpenDefensiveKV>() == BudgetScope::model);

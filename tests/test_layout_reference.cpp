@@ -223,6 +223,34 @@ TEST_CASE("layout reference: every policy x sharing x block x reduce, random lay
             check("keydiff", lref::Method::keydiff,
                   kvevict::select_layers<double>(make<kvevict::KeyDiff>({}, w, layout), inputs, budget),
                   lref::preset(lref::Method::keydiff));
+            {  // docs/algorithms.md#redundancy: R-KV's preset, and the redundancy term on other scores (every map)
+              const double rho =
+                  1.0 - std::pow(10.0, -1 - trial % 4);  // 0.9 .. 0.9999: redundancy decides more and more
+              const auto with_rho = [&](lref::Method m) {
+                lref::MethodParams p = lref::preset(m);
+                p.redundancy = rho;
+                return p;
+              };
+              lref::MethodParams rkv = lref::preset(lref::Method::snapkv);
+              rkv.kernel = 7;
+              rkv.pool = kvevict_ref::Pool::max;
+              rkv.redundancy = 0.93;
+              check("rkv", lref::Method::snapkv,
+                    kvevict::select_layers<double>(make<kvevict::RKV>({}, w, layout), inputs, budget), rkv);
+              kvevict::CriticalKV::Params cp;
+              kvevict::LayerDefensiveKV::Params dp;
+              kvevict::KeyDiff::Params kp;
+              cp.redundancy = dp.redundancy = kp.redundancy = rho;
+              check("criticalkv+redundancy", lref::Method::criticalkv,
+                    kvevict::select_layers<double>(make<kvevict::CriticalKV>(cp, w, layout), inputs, budget),
+                    with_rho(lref::Method::criticalkv));
+              check("layer_defensivekv+redundancy", lref::Method::layer_defensivekv,
+                    kvevict::select_layers<double>(make<kvevict::LayerDefensiveKV>(dp, w, layout), inputs, budget),
+                    with_rho(lref::Method::layer_defensivekv));
+              check("keydiff+redundancy", lref::Method::keydiff,
+                    kvevict::select_layers<double>(make<kvevict::KeyDiff>(kp, w, layout), inputs, budget),
+                    with_rho(lref::Method::keydiff));
+            }
             {  // PyramidKV: SnapKV with each layer's share of the model (per_model: one set of n)
               std::vector<std::int64_t> shares = n_kept;
               if (share != kvevict::Sharing::per_model)

@@ -109,6 +109,9 @@ std::vector<Parameter> make_table() {
            [](D d, V v) {
              if (v.flag) d.options.knobs.covariance = false;
            }),
+      real("redundancy", "R", "0 (rkv: 0.93)",
+           "weight of the key-redundancy term: scores become (1 - R) s - R redundancy (R-KV)", "0", false, "1", true,
+           [](D d, V v) { d.options.knobs.redundancy = v.real; }),
       real("recent-share", "R", "0.5", "H2O: share of the budget kept for the most recent entries", "0", false, "1",
            false, [](D d, V v) { d.options.knobs.recent_share = v.real; }),
       choice("precision", {"f32", "f64"}, "f32", "arithmetic precision",

@@ -380,6 +380,8 @@ void apply_options(const Options& options, kvevict::Knobs& k, bool& f64) {
                                         : kvevict::HeadAdaptiveAllocation::Variant::kvpress;
     else if (n == "sinks")
       k.sinks = std::stoll(v);
+    else if (n == "redundancy")
+      k.redundancy = std::stod(v);
     else if (n == "precision")
       f64 = v == "f64";
     else if (n == "reference_quirks") {

@@ -139,7 +139,8 @@ struct MethodParams {
   bool value_term = true;
   bool mass_forcing = true;
   bool floor = true;
-  int sinks = 4;  // StreamingLLM
+  int sinks = 4;            // StreamingLLM
+  double redundancy = 0.0;  // rho of docs/algorithms.md#redundancy (not StreamingLLM)
 };
 
 // The library presets' defaults (docs/algorithms.md#presets) for each method.
@@ -879,6 +880,18 @@ inline Maps method_maps(Method m, const std::vector<ragged::Layer>& layers, cons
       case Method::streamingllm:
         maps.alloc.push_back(streaming_map(pos, n_kept[l], p.sinks));
         break;
+    }
+    if (p.redundancy > 0.0) {  // every ranked cell of this layer's maps: (1 - rho) s - rho R
+      assert(m != Method::streamingllm);
+      const Ragged r = ragged::key_redundancy(layer);
+      for (std::vector<LayerMap>* list : {&maps.alloc, &maps.stage2})
+        if (list->size() == l + 1)
+          for (std::size_t h = 0; h < list->back().size(); ++h)
+            for (std::size_t j = 0; j < list->back()[h].size(); ++j) {
+              Cell& c = list->back()[h][j];
+              if (c.tier == kScored || c.tier == kForced)
+                c.score = (1.0 - p.redundancy) * c.score - p.redundancy * r[h][j];
+            }
     }
   }
   return maps;

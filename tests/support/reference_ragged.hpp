@@ -340,6 +340,44 @@ inline Ragged key_diff_scores(const Layer& layer) {
   return s;
 }
 
+// R-KV's key redundancy (docs/algorithms.md#redundancy), per head over all its L_h entries. Returns [Hkv][L_h]:
+//   u_j = k_j / (||k_j|| + 1e-8); C[i][j] = u_i . u_j (i != j), C[i][i] = 0;
+//   r_i = the largest j with C[i][j] > 0.5, 0 when none; C[i][r_i] = 0;
+//   m_j = (1 / L_h) sum_i C[i][j]; R_j = exp(m_j) / sum_t exp(m_t).
+inline Ragged key_redundancy(const Layer& layer) {
+  const std::size_t d = detail::sz(layer.d);
+  Ragged out(detail::sz(layer.Hkv));
+  for (std::size_t h = 0; h < out.size(); ++h) {
+    const std::vector<double>& k = layer.heads[h].keys;
+    const std::size_t L = layer.heads[h].pos.size();
+    std::vector<double> u(L * d);
+    for (std::size_t j = 0; j < L; ++j) {
+      const double n = key_norm2(layer, h, j) + 1e-8;
+      for (std::size_t c = 0; c < d; ++c) u[j * d + c] = k[j * d + c] / n;
+    }
+    std::vector<std::vector<double>> C(L, std::vector<double>(L, 0.0));
+    for (std::size_t i = 0; i < L; ++i)
+      for (std::size_t j = 0; j < L; ++j)
+        if (i != j)
+          for (std::size_t c = 0; c < d; ++c) C[i][j] += u[i * d + c] * u[j * d + c];
+    for (std::size_t i = 0; i < L; ++i) {
+      std::size_t r = 0;
+      for (std::size_t j = 0; j < L; ++j)
+        if (C[i][j] > 0.5) r = j;
+      C[i][r] = 0.0;
+    }
+    std::vector<double> m(L, 0.0);
+    for (std::size_t j = 0; j < L; ++j) {
+      for (std::size_t i = 0; i < L; ++i) m[j] += C[i][j];
+      m[j] /= static_cast<double>(L);
+    }
+    double total = 0.0;
+    for (std::size_t j = 0; j < L; ++j) total += std::exp(m[j]);
+    for (std::size_t j = 0; j < L; ++j) out[h].push_back(std::exp(m[j]) / total);
+  }
+  return out;
+}
+
 // Defensive aggregation (docs/algorithms.md#aggregation) per head (floor at the mean of the head's own P_h scores).
 // Returns [Hkv][P_h].
 inline Ragged defensive_scores(const Attn& attn, int Hkv, int w, int kernel, Pool pool, bool floor) {

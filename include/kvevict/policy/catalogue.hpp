@@ -36,6 +36,7 @@ struct Knobs {
   std::optional<Index> window, kernel;
   std::optional<Pooling> pooling;
   std::optional<bool> reference_quirks;
+  std::optional<double> redundancy;                              // ScoringParams (R-KV's 1 - lambda)
   std::optional<Sharing> share;                                  // LayoutParams (every policy)
   std::optional<Reduce> reduce;                                  // LayoutParams
   std::optional<Index> block;                                    // LayoutParams
@@ -70,6 +71,7 @@ void for_each_knob(K& k, F&& f) {
     f("pooling", k.pooling, &ScoringParams::pooling);
     f("kernel", k.kernel, &ScoringParams::kernel);
     f("reference_quirks", k.reference_quirks, &ScoringParams::reference_quirks);
+    f("redundancy", k.redundancy, &ScoringParams::redundancy);
   }
   if constexpr (std::is_base_of_v<HeadAdaptiveAllocation::Params, Params>) {
     f("alpha", k.alpha, &HeadAdaptiveAllocation::Params::alpha);
@@ -214,6 +216,7 @@ inline auto entries() {
       Entry<ExpectedAttention>{"expected-attention",
                                "attention the next 512 queries are expected to pay, times ||v|| (kvpress)"},
       Entry<H2O>{"h2o", "attention received from every query so far, plus the recent half (arXiv 2306.14048)"},
+      Entry<RKV>{"rkv", "SnapKV's attention minus the keys' redundancy, decoding-time (arXiv 2505.24133)"},
       Entry<OpenDefensiveKV>{"open-defensivekv",
                              "ours: Layer-DefensiveKV unpooled, the window's tokens scored instead of kept"},
       Entry<EngineScores>{"engine-scores",

@@ -21,6 +21,7 @@
 #include "kvevict/core/selection.hpp"
 #include "kvevict/forcing/protected_prefix.hpp"
 #include "kvevict/layout/units.hpp"
+#include "kvevict/measure/redundancy.hpp"
 #include "kvevict/policy/contracts.hpp"
 #include "kvevict/selectors/attention_selector.hpp"
 #include "kvevict/selectors/selector.hpp"
@@ -70,8 +71,11 @@ class Policy {
     }
     void validate(const char* where) const {
       ScoringParams::validate(where, reads_observation() ? 1 : 0);
-      if constexpr (!detail::has_window<SelectorType>::value)
+      if constexpr (!detail::has_window<SelectorType>::value) {
         detail::require(window == 0, where, "a positional policy observes no window: window must be 0, got ", window);
+        detail::require(redundancy == 0.0, where,
+                        "a positional policy has no scores to weigh: redundancy must be 0, got ", redundancy);
+      }
       Allocation::Params::validate(where);
       SelectorType::Params::validate(where);
     }
@@ -362,11 +366,18 @@ class Policy {
     (void)bounded;  // only selectors with score_bounded read it
     auto scored = [&] {
       if constexpr (detail::refines_bounds<SelectorType>::value) {
-        if (bounded) return selector_.template score_bounded<S>(in, shape, common, layer, where.c_str());
+        // Bounds of the unweighted score: the redundancy term (below) needs every score exact.
+        if (bounded && params_.redundancy == 0.0)
+          return selector_.template score_bounded<S>(in, shape, common, layer, where.c_str());
       }
       return selector_.template score<S>(in, shape, common, layer, where.c_str());
     }();
     detail::require_layout(scored.allocation, shape, where.c_str());
+    if (params_.redundancy > 0.0) {  // docs/algorithms.md#redundancy: every map, below the protected prefix's tier
+      const RowMatrix<S> r = extend::key_redundancy<S>(in, shape);
+      std::apply([&](auto&... maps) { (extend::weigh_by_redundancy(maps, r, params_.redundancy), ...); },
+                 detail::score_maps<SelectorType>(scored));
+    }
     if (layer.protected_prefix > 0)  // docs/algorithms.md#protected-prefix: above every tier of every map
       std::apply([&](auto&... maps) { (detail::protect_prefix(maps, budget.protected_prefix()), ...); },
                  detail::score_maps<SelectorType>(scored));

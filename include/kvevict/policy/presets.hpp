@@ -163,6 +163,23 @@ class H2O : public Policy<UniformAllocation, H2OSelector> {
   explicit H2O(const Params& p = Params{}) : Policy(p, type_name) {}
 };
 
+/// R-KV (arXiv 2505.24133, a decoding-time method): SnapKV's window attention (window 8, max pooling, kernel 7) minus
+/// the key redundancy, (1 - rho) s - rho R with rho = 0.93 (the reference code's mix_lambda 0.07,
+/// docs/algorithms.md#redundancy); n_kept per KV head. The same `redundancy` knob weighs any other policy.
+class RKV : public Policy<UniformAllocation, AttentionSelector> {
+ public:
+  static constexpr const char* type_name = "RKV";
+  struct Params : Policy::Params {
+    Params() {
+      window = 8;
+      kernel = 7;
+      pooling = Pooling::max;
+      redundancy = 0.93;
+    }
+  };
+  explicit RKV(const Params& p = Params{}) : Policy(p, type_name) {}
+};
+
 /// OpenDefensiveKV (ours, docs/algorithms.md#open-window): Layer-DefensiveKV (one budget across layers, worst-case
 /// aggregation with the prior floor, L1 value term, mass forcing) with two changes: no pooling (kernel 1), and an
 /// open window: the 32 window queries are observed as before, but the window's own tokens compete by the same score

@@ -1,6 +1,9 @@
 #pragma once
 /// ScoringParams: the parameters every scored policy has (the observation window, the pooling along tokens, the
-/// reference code's quirks) over the layout's (sharing, reduction, blocks). Every selector's Params derives from it.
+/// reference code's quirks, the redundancy weight) over the layout's (sharing, reduction, blocks). Every selector's
+/// Params derives from it.
+
+#include <cmath>
 
 #include "kvevict/aggregation/pooling.hpp"
 #include "kvevict/core/error.hpp"
@@ -15,6 +18,9 @@ struct ScoringParams : LayoutParams {
   Pooling pooling = Pooling::avg;  ///< smoothing along tokens (SnapKV's LongBench setting: max, kernel 7)
   Index kernel = 5;                ///< pooling kernel, odd
   bool reference_quirks = false;   ///< reproduce the reference code's quirks (docs/algorithms.md#forcing)
+  /// rho, the weight of the key-redundancy term (R-KV, docs/algorithms.md#redundancy): every scored entry's score s
+  /// becomes (1 - rho) s - rho R; 0 (every preset but RKV): off.
+  double redundancy = 0.0;
 
   /// `min_window`: 1 for a policy that observes a window, 0 for one that reads no observation (StreamingLLM).
   void validate(const char* where, Index min_window = 1) const {
@@ -25,6 +31,8 @@ struct ScoringParams : LayoutParams {
                     to_string(share), ", block = ", block);
     detail::require(window >= min_window, where, "window must be >= ", min_window, ", got ", window);
     detail::require(kernel >= 1 && kernel % 2 == 1, where, "kernel must be an odd number >= 1, got ", kernel);
+    detail::require(std::isfinite(redundancy) && redundancy >= 0.0 && redundancy < 1.0, where,
+                    "redundancy must be in [0, 1), got ", redundancy);
   }
 };
 
