@@ -65,7 +65,7 @@ TEST_CASE("catalogue: every entry is named once and makes its preset with the pr
   CHECK_FALSE(kvevict::catalogue::visit("nosuch", [](const auto&) {}));
   CHECK(kvevict::catalogue::names(kvevict::catalogue::entries())
             .rfind("streamingllm, snapkv, adakv, criticalkv, criticalkv-snapkv, defensivekv, layer-defensivekv, "
-                   "adakv-defensive, tova, knorm, keydiff, pyramidkv, expected-attention, h2o, open-defensivekv",
+                   "adakv-defensive, tova, knorm, keydiff, pyramidkv, expected-attention, h2o, rkv, open-defensivekv",
                    0) == 0);
 }
 

@@ -2,14 +2,18 @@
 // the definition), its effect on a key-only policy, the RKV preset's defaults and the refusals. The float64 layout
 // reference (tests/test_layout_reference.cpp) checks it on ragged layers under every sharing, block and reduction.
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <random>
 #include <vector>
 
 #include <catch2/catch.hpp>
 #include <kvevict/kvevict.hpp>
 
 #include "support/matchers.hpp"
+#include "support/reference_ragged.hpp"
 
 namespace test_redundancy {  // this file's scope in unity builds (tests/CMakeLists.txt)
 
@@ -58,6 +62,48 @@ TEMPLATE_TEST_CASE("redundancy: the worked example of docs/algorithms.md#redunda
   CHECK(kept_rows(weighed.select<T>(in, Budget::tokens(2))) == std::vector<Index>{2, 4});
   CHECK(kept_rows(knorm.select<T>(in, Budget::tokens(3))) == std::vector<Index>{0, 2, 4});
   CHECK(kept_rows(weighed.select<T>(in, Budget::tokens(3))) == std::vector<Index>{2, 3, 4});
+}
+
+TEST_CASE("redundancy: long heads (several blocks of rows), near-copies and a zero key, as the float64 reference",
+          "[redundancy]") {
+  std::mt19937_64 rng(2505);
+  std::normal_distribution<double> normal;
+  for (const Index L : {Index(1), Index(2), Index(255), Index(257), Index(600)}) {
+    const Index Hkv = 2, d = 8;
+    kvevict_ref::ragged::Layer layer;
+    layer.Hkv = Hkv;
+    layer.d = static_cast<int>(d);
+    std::vector<double> k(static_cast<std::size_t>(Hkv * L * d));
+    for (double& x : k) x = normal(rng);
+    for (Index j = 3; j < L; j += 7)  // near-copies of earlier keys, and a zero key
+      for (Index h = 0; h < Hkv; ++h)
+        for (Index c = 0; c < d; ++c) {
+          const auto at = [&](Index row) { return static_cast<std::size_t>((h * L + row) * d + c); };
+          k[at(j)] = j == 10 ? 0.0 : k[at(j / 2)] + 0.05 * normal(rng);
+        }
+    for (Index h = 0; h < Hkv; ++h) {
+      kvevict_ref::ragged::Head head;
+      head.keys.assign(k.begin() + h * L * d, k.begin() + (h + 1) * L * d);
+      for (Index j = 0; j < L; ++j) head.pos.push_back(j);
+      layer.heads.push_back(head);
+    }
+    const auto want = kvevict_ref::ragged::key_redundancy(layer);
+    const auto in = keys_only(k, Hkv, L, d);
+    kvevict::extend::LayerShape shape;
+    shape.kv_heads = Hkv;
+    shape.query_heads = Hkv;
+    shape.group = 1;
+    shape.tokens = L;
+    shape.head_dim = d;
+    const auto got = kvevict::extend::key_redundancy<double>(in, shape);
+    double worst = 0.0;
+    for (Index h = 0; h < Hkv; ++h)
+      for (Index j = 0; j < L; ++j)
+        worst = std::max(worst, std::abs(got(h, j) - want[static_cast<std::size_t>(h)][static_cast<std::size_t>(j)]) /
+                                    want[static_cast<std::size_t>(h)][static_cast<std::size_t>(j)]);
+    INFO("L " << L);
+    CHECK(worst < 1e-12);
+  }
 }
 
 TEST_CASE("redundancy: the RKV preset and its knob in the catalogue", "[redundancy]") {

@@ -17,11 +17,13 @@ namespace kvevict::extend {
 ///   m_j = (1 / L_h) sum_i C(i, j);  redundancy(h, j) = exp(m_j) / sum_t exp(m_t)   (a softmax over the head).
 /// A key that many others resemble scores high; each row's most recent near-copy is spared, so of a run of
 /// repeated keys the newest is the least redundant (R-KV's retain_direction "last", threshold 0.5).
-/// O(L_h^2 d) per head (one product), deterministic.
+/// O(L_h^2 d) time and O(L_h (d + 256)) memory per head, deterministic.
 template <class S, class In>
 RowMatrix<S> key_redundancy(const In& in, const LayerShape& shape) {
   RowMatrix<S> out = RowMatrix<S>::Zero(shape.kv_heads, shape.tokens);
+  constexpr Index kRows = 256;
   RowMatrix<S> u;  // [L_h, d] the head's unit keys
+  RowMatrix<S> c;  // [<= kRows, L_h] rows of C
   for (Index h = 0; h < shape.kv_heads; ++h) {
     const Index L = shape.length(h);
     if (L == 0) continue;
@@ -29,18 +31,26 @@ RowMatrix<S> key_redundancy(const In& in, const LayerShape& shape) {
     for_each_block_of_head<S>(in.keys, in.keys_scale, h, L, [&](Index j0, const RowMatrix<S>& rows) {
       for (Index r = 0; r < rows.rows(); ++r) u.row(j0 + r) = rows.row(r) / (rows.row(r).norm() + S(1e-8));
     });
-    const RowMatrix<S> c = u * u.transpose();  // [L_h, L_h], symmetric
-    // m_j = (1 / L_h) sum over i != j of C(i, j), less each row's spared entry: the column sums of the product less its
-    // diagonal, then one correction per row (its last j != i with C(i, j) > 0.5, found from the end).
-    Eigen::Matrix<S, 1, Eigen::Dynamic> m = c.colwise().sum() - c.diagonal().transpose();
-    for (Index i = 0; i < L; ++i) {
-      Index spared = 0;
-      for (Index j = L - 1; j > 0; --j)
-        if (j != i && c(i, j) > S(0.5)) {
-          spared = j;
-          break;
-        }
-      if (spared != i) m(spared) -= c(i, spared);
+    // m_j = (1 / L_h) sum over i != j of C(i, j), less each row's spared entry, from blocks of kRows rows of C at a
+    // time
+    // ([rows, L_h]: O(L_h) memory): the blocks' column sums less the diagonal, then one correction per row (its last
+    // j != i with C(i, j) > 0.5, found from the end).
+    Eigen::Matrix<S, 1, Eigen::Dynamic> m = Eigen::Matrix<S, 1, Eigen::Dynamic>::Zero(L);
+    for (Index i0 = 0; i0 < L; i0 += kRows) {
+      const Index rows = std::min(kRows, L - i0);
+      c.noalias() = u.middleRows(i0, rows) * u.transpose();
+      m += c.colwise().sum();
+      for (Index r = 0; r < rows; ++r) {
+        const Index i = i0 + r;
+        m(i) -= c(r, i);
+        Index spared = 0;
+        for (Index j = L - 1; j > 0; --j)
+          if (j != i && c(r, j) > S(0.5)) {
+            spared = j;
+            break;
+          }
+        if (spared != i) m(spared) -= c(r, spared);
+      }
     }
     m /= static_cast<S>(L);
     const S top = m.maxCoeff();
