@@ -31,10 +31,9 @@ RowMatrix<S> key_redundancy(const In& in, const LayerShape& shape) {
     for_each_block_of_head<S>(in.keys, in.keys_scale, h, L, [&](Index j0, const RowMatrix<S>& rows) {
       for (Index r = 0; r < rows.rows(); ++r) u.row(j0 + r) = rows.row(r) / (rows.row(r).norm() + S(1e-8));
     });
-    // m_j = (1 / L_h) sum over i != j of C(i, j), less each row's spared entry, from blocks of kRows rows of C at a
-    // time
-    // ([rows, L_h]: O(L_h) memory): the blocks' column sums less the diagonal, then one correction per row (its last
-    // j != i with C(i, j) > 0.5, found from the end).
+    // m_j = (1 / L_h) sum over i != j of C(i, j), less each row's spared entry, from kRows rows of C at a time (c:
+    // O(L_h) memory): the blocks' column sums less the diagonal, then one correction per row (its last j != i with
+    // C(i, j) > 0.5, found from the end).
     Eigen::Matrix<S, 1, Eigen::Dynamic> m = Eigen::Matrix<S, 1, Eigen::Dynamic>::Zero(L);
     for (Index i0 = 0; i0 < L; i0 += kRows) {
       const Index rows = std::min(kRows, L - i0);
