@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "support/cases.hpp"
 #include "support/matchers.hpp"
 #include "support/random_inputs.hpp"
 #include "support/selector_inputs.hpp"
@@ -291,10 +292,13 @@ TEMPLATE_TEST_CASE(
   using T = TestType;
   Rng rng(3604);
   int compared = 0;
+  // Under the sanitizers pages of 16 only (the reads that cross pages inside a block; one page holding all is the
+  // contiguous path): the test took 94 of their CPU-s with both.
   for (const Index page_rows : {Index{16}, Index{1024}})
     for (const bool ragged : {false, true})
-      same_through_pages<T>(rng, page_rows, PageLayout::tokens_major, ragged, compared, 600);
-  CHECK(compared > 100);
+      if (page_rows == 16 || !kvevict_test::sanitized)
+        same_through_pages<T>(rng, page_rows, PageLayout::tokens_major, ragged, compared, 600);
+  CHECK(compared > (kvevict_test::sanitized ? 50 : 100));
 }
 
 TEST_CASE(
