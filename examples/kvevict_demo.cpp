@@ -154,6 +154,11 @@ const std::vector<PolicyEntry>& all_policies() {
     list.push_back(entry("rkv-no-redundancy", "rkv", no_redundancy, true));
     list.push_back(entry("layer-defensivekv+redundancy", "layer-defensivekv", redundancy, true));
     list.push_back(entry("open-defensivekv+redundancy", "open-defensivekv", redundancy, true));
+    // Capped decoding without the value term, then with R-KV's term in its place (docs/results/tinycode-quality.md).
+    kvevict::Knobs no_value_redundancy = redundancy;
+    no_value_redundancy.value_term = false;
+    list.push_back(entry("layer-defensivekv-no-value+redundancy", "layer-defensivekv", no_value_redundancy, true));
+    list.push_back(entry("open-defensivekv-no-value+redundancy", "open-defensivekv", no_value_redundancy, true));
     return list;
   }();
   return policies;
