@@ -350,7 +350,7 @@ def test_option_messages_agree_with_cli(kvevict_select, tmp_path):
             if api.startswith("the layers kept whole name layer"):
                 continue  # checked against the model's layers, which kvevict-select reads after its options
             flag = "--" + name.replace("_", "-")
-            if name in ("no_covariance", "reference_quirks", "no_floor", "open_window"):
+            if name in ("no_covariance", "reference_quirks", "no_floor", "open_window", "no_value_term"):
                 assert api == "%s expects a boolean (1, true, 0 or false), got '%s'" % (name, value)
                 continue  # a flag takes no value on the command line
             cli = subprocess.run([kvevict_select, "--policy", "snapkv", "--keep", "0.5", flag, value,
@@ -401,6 +401,7 @@ OPTION_CASES = [
     ("no-floor", {"keep": 0.5}, {"no_floor": True}, True),
     ("no-floor-false", {"keep": 0.5}, {"no_floor": False}, False),
     ("open-window", {"keep": 0.5}, {"open_window": True}, True),
+    ("no-value-term", {"keep": 0.5}, {"no_value_term": True}, True),
     ("reference-quirks", {"compression_ratio": 0.5}, {"reference_quirks": True}, False),
     ("budget-N", {"budget": 13}, {}, True),
     ("budget-1", {"budget": 1}, {}, False),

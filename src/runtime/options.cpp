@@ -152,6 +152,11 @@ std::vector<Parameter> make_table() {
            [](D d, V v) {
              if (v.flag) d.options.knobs.floor = false;
            }),
+      flag("no-value-term",
+           "DefensiveKV and Expected Attention: attention alone, without the value term (the papers' ablation)",
+           [](D d, V v) {
+             if (v.flag) d.options.knobs.value_term = false;
+           }),
       flag("open-window", "DefensiveKV: score the window's tokens too, keep only the newest first",
            [](D d, V v) { d.options.knobs.open_window = v.flag; }),
   };

@@ -404,6 +404,8 @@ void apply_options(const Options& options, kvevict::Knobs& k, bool& f64) {
       k.mass_threshold = std::stod(v);
     else if (n == "no_floor") {
       if (on) k.floor = false;
+    } else if (n == "no_value_term") {
+      if (on) k.value_term = false;
     } else
       FAIL("the test does not know option " << raw);
   }
@@ -855,6 +857,11 @@ TEST_CASE("matches: the options", "[c_api]") {
                  {"first-stage-ratio", "0.3"},
                  {"mass_threshold", "0.8"},
                  {"no_floor", "true"}};
+    check_spec(s);
+  }
+  {
+    Spec s = spec("no_value_term (with the L2 norm it would read)", 62);
+    s.options = {{"no-value-term", "1"}, {"value_norm", "l2"}};
     check_spec(s);
   }
   {

@@ -245,8 +245,8 @@ TEST_CASE("kvevict-select value-aware policies --precision f64 match the referen
 }
 
 TEST_CASE(
-    "kvevict-select selector flags: --value-norm l2, --no-floor, --mass-threshold, --eps, --first-stage-ratio, "
-    "--pool/--kernel, --alpha",
+    "kvevict-select selector flags: --value-norm l2, --no-floor, --no-value-term, --mass-threshold, --eps, "
+    "--first-stage-ratio, --pool/--kernel, --alpha",
     "[cli][selectors]") {
   kvevict_test::Rng rng(20261202);
   const Shape s{4, 2, 8, 90, 16};
@@ -274,6 +274,7 @@ TEST_CASE(
   };
   add(" --value-norm l2", value_aware, [](SelKnobs& k) { k.norm = kvevict::ValueNorm::l2; });
   add(" --no-floor", defensive, [](SelKnobs& k) { k.floor = false; });
+  add(" --no-value-term", {Cli::defensivekv, Cli::layer_defensivekv}, [](SelKnobs& k) { k.value_term = false; });
   add(" --mass-threshold 0.6", {Cli::defensivekv, Cli::layer_defensivekv}, [](SelKnobs& k) { k.threshold = 0.6; });
   add(" --eps 0.01", critical, [](SelKnobs& k) { k.eps = 0.01; });
   add(" --first-stage-ratio 0.25", critical, [](SelKnobs& k) { k.ratio = 0.25; });
