@@ -18,6 +18,7 @@
 #include <functional>
 #include <limits>
 #include <mutex>
+#include <random>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -54,6 +55,37 @@ using Compressor =
 /// evict_over_budget, docs/algorithms.md#streaming), adding the policy's time to *select_ms.
 using StreamEvictor = std::function<void(Engine&, Index n, double* select_ms, const kvevict::Knobs& layout)>;
 
+/// RazorAttention's calibration (arXiv 2407.15891; docs/algorithms.md#retrieval-heads), once per model: a block of
+/// 256 random bytes (seeded) repeated once is prefilled, every layer's KV heads get kvevict::induction_scores, and the
+/// one KV head of the model that scores highest is the retrieval head (LayerInputs::retrieval_heads, per layer).
+struct RetrievalHeads {
+  std::vector<std::vector<Index>> heads;    // [n_layer]: each layer's retrieval heads
+  std::vector<std::vector<double>> scores;  // [n_layer][n_kv_head]: the induction scores
+};
+const RetrievalHeads& retrieval_heads(const tinycode::Model& model) {
+  static const RetrievalHeads calibrated = [&] {
+    constexpr Index period = 256;
+    std::mt19937 rng(20261207u);
+    tinycode::eval::Tokens tokens(static_cast<std::size_t>(period));
+    for (auto& t : tokens) t = static_cast<tinycode::Token>(rng() % 256u);
+    tokens.insert(tokens.end(), tokens.begin(), tokens.end());
+    Engine engine(model);
+    engine.extend(tokens);
+    RetrievalHeads out;
+    for (Index l = 0; l < model.config.n_layer; ++l)
+      out.scores.push_back(kvevict::induction_scores(engine.eviction_inputs(l), period));
+    out.heads = kvevict::top_heads(out.scores, 1);
+    return out;
+  }();
+  return calibrated;
+}
+
+/// `inputs` [n_layer] with the calibrated retrieval heads named (per_layer: the engine's inputs of every layer).
+void name_retrieval_heads(std::vector<kvevict::LayerInputs<float>>& inputs, const tinycode::Model& model) {
+  const auto& heads = retrieval_heads(model).heads;
+  for (std::size_t l = 0; l < inputs.size(); ++l) inputs[l].retrieval_heads = heads[l];
+}
+
 struct PolicyEntry {
   std::string name;
   Compressor compress;                                      // empty: the full cache, no eviction
@@ -61,6 +93,7 @@ struct PolicyEntry {
   bool ablation = false;                                    // run only when named in --policies or with --ablations
   StreamEvictor stream = {};                                // the same policy while the cache grows
   bool engine_scores = false;  // reads the prefilled engine's KVzip scores (Engine::score_by_reconstruction)
+  bool retrieval = false;      // names the calibrated retrieval heads (retrieval_heads(model))
 };
 
 /// `k` with a run's layout (--share, --block, --reduce, or an engine mode's; docs/algorithms.md#layouts).
@@ -78,20 +111,25 @@ kvevict::Knobs with_layout(kvevict::Knobs k, const kvevict::Knobs& layout) {
 /// is added to the selection time of every configuration that reads it; one-shot only (the replay scores what the
 /// prefill cached), so it has no stream evictor.
 PolicyEntry entry(const std::string& name, const std::string& base, const kvevict::Knobs& knobs = {},
-                  bool ablation = false, const std::string& selector = "") {
+                  bool ablation = false, const std::string& selector = "", bool retrieval = false) {
   PolicyEntry out{name, {}, kvevict::BudgetScope::head, ablation};
+  out.retrieval = retrieval;
   const auto make = [&](const auto& e) {
     using P = typename std::decay_t<decltype(e)>::policy_type;
     out.scope = e.scope;
     out.engine_scores = P::reads_scores();
-    out.compress = [e, knobs](const Engine& engine, const kvevict::Budget& budget, const kvevict::Knobs& layout) {
+    out.compress = [e, knobs, retrieval](const Engine& engine, const kvevict::Budget& budget,
+                                         const kvevict::Knobs& layout) {
       const auto policy = e.make(with_layout(knobs, layout));
-      return kvevict::select_layers(policy, engine.eviction_inputs_for(policy), budget);
+      auto inputs = engine.eviction_inputs_for(policy);
+      if (retrieval) name_retrieval_heads(inputs, engine.model());
+      return kvevict::select_layers(policy, inputs, budget);
     };
     if (!P::reads_scores())
-      out.stream = [e, knobs](Engine& engine, Index n, double* select_ms, const kvevict::Knobs& layout) {
+      out.stream = [e, knobs, retrieval](Engine& engine, Index n, double* select_ms, const kvevict::Knobs& layout) {
         tinycode::EvictionStats stats;
-        engine.evict_over_budget(e.make(with_layout(knobs, layout)), n, &stats);
+        const auto* heads = retrieval ? &retrieval_heads(engine.model()).heads : nullptr;
+        engine.evict_over_budget(e.make(with_layout(knobs, layout)), n, &stats, heads);
         *select_ms += stats.select_ms;
       };
   };
@@ -159,6 +197,12 @@ const std::vector<PolicyEntry>& all_policies() {
     no_value_redundancy.value_term = false;
     list.push_back(entry("layer-defensivekv-no-value+redundancy", "layer-defensivekv", no_value_redundancy, true));
     list.push_back(entry("open-defensivekv-no-value+redundancy", "open-defensivekv", no_value_redundancy, true));
+    // The calibrated retrieval head kept whole where the budget allows (docs/algorithms.md#retrieval-heads): the
+    // layer-global policies as they are, and without the value term (capped decoding's configuration).
+    list.push_back(entry("layer-defensivekv+retrieval", "layer-defensivekv", {}, true, "", true));
+    list.push_back(entry("open-defensivekv+retrieval", "open-defensivekv", {}, true, "", true));
+    list.push_back(entry("layer-defensivekv-no-value+retrieval", "layer-defensivekv", no_value, true, "", true));
+    list.push_back(entry("open-defensivekv-no-value+retrieval", "open-defensivekv", no_value, true, "", true));
     return list;
   }();
   return policies;
@@ -722,6 +766,15 @@ int main(int argc, char** argv) {
                 n_docs ? n_docs - 1 : 0, n_docs, docs.size());
     std::printf("passkey retrieval: records 0..%zu (%zu of %zu; context = the ~1.8 KB before the question)%s\n",
                 n_keys ? n_keys - 1 : 0, n_keys, passkeys.size(), opt.stepwise ? "; stepwise decoding" : "");
+    if (std::any_of(runs.begin(), runs.end(), [](const RunConfig& r) { return r.policy->retrieval; })) {
+      const RetrievalHeads& calibrated = retrieval_heads(model);  // computed here, once, before the threads
+      std::string best;
+      for (std::size_t l = 0; l < calibrated.heads.size(); ++l)
+        for (Index h : calibrated.heads[l])
+          best += " layer " + std::to_string(l) + ", KV head " + std::to_string(h) + " (induction score " +
+                  std::to_string(calibrated.scores[l][static_cast<std::size_t>(h)]) + ")";
+      std::printf("retrieval head (+retrieval; 256 random bytes repeated, the top induction score):%s\n", best.c_str());
+    }
     std::fflush(stdout);
 
     // Every doc and every passkey record is an independent task (its own engine); results land in fixed slots.

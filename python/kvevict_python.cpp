@@ -270,7 +270,23 @@ std::string option_text(const std::string& name, const py::handle& value) {
     for (const py::handle item : value) text += (text.empty() ? "" : ",") + option_text(name, item);
     return text;
   }
-  throw py::value_error(name + ": expected a number, a string or a boolean" + (layer_list ? ", or a list" : "") +
+  // The head list: [(layer, kv_head), ...] as "6:0,7:1".
+  const bool head_list = name == "retrieval_heads" || name == "retrieval-heads";
+  if (head_list && (py::isinstance<py::list>(value) || py::isinstance<py::tuple>(value))) {
+    std::string text;
+    for (const py::handle item : value) {
+      if (!(py::isinstance<py::list>(item) || py::isinstance<py::tuple>(item)) || py::len(item) != 2)
+        throw py::value_error(name + ": expected (layer, kv_head) pairs, got an item " +
+                              std::string(py::str(py::repr(item))));
+      const py::sequence pair = py::reinterpret_borrow<py::sequence>(item);
+      text += (text.empty() ? "" : ",") + option_text(name, pair[0]) + ":" + option_text(name, pair[1]);
+    }
+    return text;
+  }
+  throw py::value_error(name + ": expected a number, a string or a boolean" +
+                        (layer_list  ? ", or a list"
+                         : head_list ? ", or a list of (layer, kv_head) pairs"
+                                     : "") +
                         ", got " + std::string(py::str(value.get_type().attr("__name__"))));
 }
 

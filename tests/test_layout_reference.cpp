@@ -362,6 +362,75 @@ TEST_CASE("layout reference: a protected prefix, counted or on top, under every 
   CHECK(near_ties * 50 < compared + 50);
 }
 
+TEST_CASE("layout reference: retrieval heads forced whole in every map, under every layout",
+          "[layout][reference][retrieval]") {
+  // docs/algorithms.md#retrieval-heads: every entry of a KV head named in LayerInputs::retrieval_heads is forced
+  // (the window stays the window); what fits of it is kept before any scored entry, ranked by score.
+  Rng rng(884);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  int compared = 0, near_ties = 0, whole = 0, changed = 0;
+  for (int trial = 0; trial < kvevict_test::cases(12); ++trial) {
+    const int Hkv = 1 + trial % 3, G = 1 + (trial / 3) % 2, w = 1 + trial % 4, d = 4 + 4 * (trial % 2);
+    const int NL = 1 + trial % 3, T = 40 + 5 * trial;
+    for (kvevict::Sharing share :
+         {kvevict::Sharing::per_head, kvevict::Sharing::per_layer, kvevict::Sharing::per_model}) {
+      const std::vector<Ragged> model = random_model(rng, NL, Hkv * G, Hkv, w, d, T, 0.5 + 0.02 * trial, share);
+      std::vector<kvevict_test::RaggedStored<double>> stored;
+      std::vector<kvevict::LayerInputs<double>> inputs, plain;
+      std::vector<std::vector<int>> retrieval(model.size());
+      Index min_entries = std::numeric_limits<Index>::max();
+      for (std::size_t l = 0; l < model.size(); ++l) {
+        const Ragged& r = model[l];
+        stored.push_back(kvevict_test::store<double>(r, kvevict_test::longest(r) + 2, trial % 2 == 0, nan, 0));
+        Index entries = 0;
+        for (int h = 0; h < Hkv; ++h) entries += kvevict_test::length(r, h);
+        min_entries = std::min(min_entries, entries / Hkv);
+        const int pick = (trial + static_cast<int>(l)) % (Hkv + 1);  // Hkv: none in this layer
+        if (pick < Hkv) retrieval[l].push_back(pick);
+      }
+      for (std::size_t l = 0; l < stored.size(); ++l) {
+        plain.push_back(stored[l].in);
+        inputs.push_back(stored[l].in);
+        for (int h : retrieval[l]) inputs.back().retrieval_heads.push_back(h);
+      }
+      for (Index block : {Index(1), Index(4)})
+        for (Index n : {std::max<Index>(block, min_entries / 3), std::max<Index>(block, 3 * min_entries / 4)}) {
+          kvevict::LayoutParams layout;
+          layout.share = share;
+          layout.block = block;
+          layout.reduce = trial % 2 ? kvevict::Reduce::mean : kvevict::Reduce::max;
+          const Budget budget = Budget::tokens(n);
+          const std::vector<std::int64_t> n_kept(model.size(), n);
+          const auto check = [&](const char* name, lref::Method m, const auto& policy) {
+            const std::vector<ref::KeptRows> want =
+                lref::select(m, model, n_kept, lref::preset(m), ref_layout(layout), 0, {}, retrieval);
+            INFO(name << " share " << kvevict::to_string(share) << " block " << block << " n " << n << " trial "
+                      << trial);
+            INFO("want " << show(want));
+            const std::vector<Selection> got = kvevict::select_layers<double>(policy, inputs, budget);
+            INFO("got  " << show(rows_of(got)));
+            if (rows_of(got) != want) {
+              ++near_ties;
+              CHECK(near_tie_swap(rows_of(got), want, m, model, n_kept, lref::preset(m), ref_layout(layout)));
+            }
+            ++compared;
+            changed += rows_of(kvevict::select_layers<double>(policy, plain, budget)) != want;
+            for (std::size_t l = 0; l < model.size(); ++l)
+              for (int h : retrieval[l])
+                whole += want[l][static_cast<std::size_t>(h)].size() ==
+                         model[l].heads[static_cast<std::size_t>(h)].pos.size();
+          };
+          for_each_modelled(w, layout, check);
+        }
+    }
+  }
+  INFO("compared " << compared << ", changed " << changed << ", heads kept whole " << whole);
+  CHECK(compared > kvevict_test::cases(200));
+  CHECK(changed * 5 > compared);  // the heads named change what is kept (a quarter of the cases here)
+  CHECK(whole > 20);              // and, where the allocation moves budget to them, keep them whole
+  CHECK(near_ties * 50 < compared + 50);
+}
+
 TEST_CASE("layout reference: threshold budgets, every scope and bounds, under every layout",
           "[layout][reference][threshold]") {
   // docs/algorithms.md#threshold-budgets: the blocks (rows) that pass tau, counted per group, per layer or per model,

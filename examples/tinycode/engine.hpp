@@ -291,13 +291,20 @@ class Engine {
   /// every layer holding more than n rows per KV head on average with `policy` (all layers together for a
   /// layer-global one, when the model is over), with kvevict::evict_over_budget. Returns how many layers were evicted;
   /// adds the policy's time to stats->select_ms when given.
+  /// `retrieval` [n_layer] (null: none): each layer's LayerInputs::retrieval_heads.
   template <class Policy>
-  Index evict_over_budget(const Policy& policy, Index n, EvictionStats* stats = nullptr) {
+  Index evict_over_budget(const Policy& policy, Index n, EvictionStats* stats = nullptr,
+                          const std::vector<std::vector<Index>>* retrieval = nullptr) {
     using clock = std::chrono::steady_clock;
     const auto t0 = clock::now();
     std::vector<kvevict::Selection> due;  // paged: every layer's selection (one set for the model), then one plan
     const Index evicted = kvevict::evict_over_budget(
-        policy, cache_.book(), n, [&](Index l) { return eviction_inputs(l, window_of(policy)); },
+        policy, cache_.book(), n,
+        [&](Index l) {
+          auto in = eviction_inputs(l, window_of(policy));
+          if (retrieval) in.retrieval_heads = (*retrieval)[static_cast<std::size_t>(l)];
+          return in;
+        },
         [&](Index l, const kvevict::Selection& s) {
           if (!cache_.paged()) return evict(l, s);
           due.push_back(s);  // the plan takes every layer at once, inside the step (a refusal ends nothing)

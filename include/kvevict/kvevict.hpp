@@ -22,6 +22,7 @@
 
 #include "kvevict/value/value_norm.hpp"
 
+#include "kvevict/measure/induction.hpp"
 #include "kvevict/measure/perturbation.hpp"
 
 #include "kvevict/policy/catalogue.hpp"

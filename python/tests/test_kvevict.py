@@ -402,6 +402,7 @@ OPTION_CASES = [
     ("no-floor-false", {"keep": 0.5}, {"no_floor": False}, False),
     ("open-window", {"keep": 0.5}, {"open_window": True}, True),
     ("no-value-term", {"keep": 0.5}, {"no_value_term": True}, True),
+    ("retrieval-heads", {"keep": 0.5}, {"retrieval_heads": "1:0,0:1"}, True),
     ("reference-quirks", {"compression_ratio": 0.5}, {"reference_quirks": True}, False),
     ("budget-N", {"budget": 13}, {}, True),
     ("budget-1", {"budget": 1}, {}, False),
@@ -664,6 +665,28 @@ def test_keep_whole():
         assert sel[1].total == layers[1]["keys"].shape[0] * layers[1]["keys"].shape[1], p
     with pytest.raises(ValueError, match="the layers kept whole name layer 2; the model has 2 layers"):
         kvevict.select_layers("snapkv", layers, budget=6, keep_whole="2")
+
+
+def test_retrieval_heads():
+    """docs/algorithms.md#retrieval-heads: (layer, kv_head) pairs as a list or as the tool's text select alike, and
+    change the selection; a malformed item is refused by name."""
+    layers = make_layers(**OPTS)
+    for p in ["layer-defensivekv", "adakv", "snapkv"]:
+        as_list = kvevict.select_layers(p, layers, budget=16, retrieval_heads=[(1, 0), (0, 1)])
+        as_text = kvevict.select_layers(p, layers, budget=16, retrieval_heads="0:1,1:0")
+        for a, b in zip(as_list, as_text):
+            np.testing.assert_array_equal(a.indices, b.indices)
+    # One budget across layers on attention (no mass-forced entries compete): layer 0's KV head 1 kept whole, its 40
+    # entries of the model's 64 beside the other heads' windows of 4.
+    plain = kvevict.select_layers(None, layers, budget=16, base="layer", selector="attention")
+    forced = kvevict.select_layers(None, layers, budget=16, base="layer", selector="attention",
+                                   retrieval_heads=[(0, 1)])
+    assert forced[0].offsets[2] - forced[0].offsets[1] == 40
+    assert not np.array_equal(plain[0].indices, forced[0].indices)
+    with pytest.raises(ValueError, match=r"retrieval_heads: expected \(layer, kv_head\) pairs, got an item 3"):
+        kvevict.select_layers("snapkv", layers, budget=12, retrieval_heads=[3])
+    with pytest.raises(ValueError, match="retrieval_heads names a head twice"):
+        kvevict.select_layers("snapkv", layers, budget=12, retrieval_heads=[(0, 1), (0, 1)])
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 #include "options.hpp"
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -37,6 +38,9 @@ Parameter flag(std::string_view name, std::string_view help, Apply apply) {
 }
 Parameter layer_list(std::string_view name, std::string_view metavar, std::string_view help, Apply apply) {
   return Parameter{name, Type::layer_list, metavar, "", help, "", "", false, false, Parity::any, {}, apply};
+}
+Parameter head_list(std::string_view name, std::string_view metavar, std::string_view help, Apply apply) {
+  return Parameter{name, Type::head_list, metavar, "", help, "", "", false, false, Parity::any, {}, apply};
 }
 Parameter word(std::string_view name, std::string_view metavar, std::string_view help, Apply apply) {
   return Parameter{name, Type::name, metavar, "", help, "", "", false, false, Parity::any, {}, apply};
@@ -141,6 +145,10 @@ std::vector<Parameter> make_table() {
                  "layers the engine keeps whole (a hybrid model's sliding-window or full layers): every entry kept, "
                  "no part of the model's budget",
                  [](D d, V v) { d.options.keep_whole = v.list; }),
+      head_list("retrieval-heads", "L:H,L:H,...",
+                "KV heads kept whole where the budget allows (layer L, KV head H; retrieval heads): every entry "
+                "forced",
+                [](D d, V v) { d.options.retrieval_heads = v.heads; }),
       real("eps", "E", "1e-4", "CriticalKV eps", "0", false, "", false, [](D d, V v) { d.options.knobs.eps = v.real; }),
       real("first-stage-ratio", "R", "0.5", "CriticalKV share of each head's budget chosen by attention", "0", false,
            "1", false, [](D d, V v) { d.options.knobs.first_stage_ratio = v.real; }),
@@ -205,6 +213,37 @@ std::vector<Index> parse_layer_list(const std::string& flag, const std::string& 
   std::sort(out.begin(), out.end());
   if (std::adjacent_find(out.begin(), out.end()) != out.end())
     throw usage_error(flag + " names a layer twice, got '" + text + "'");
+  return out;
+}
+
+/// "6:0" or "1:0,6:1": distinct (layer, KV head) pairs, both >= 0, returned ascending.
+std::vector<std::pair<Index, Index>> parse_head_list(const std::string& flag, const std::string& text) {
+  std::vector<std::pair<Index, Index>> out;
+  const auto bad = [&] {
+    return usage_error(flag + " expects layer:head pairs of indices >= 0 separated by commas (6:0,7:1), got '" + text +
+                       "'");
+  };
+  const auto index = [&](const std::string& item) {
+    errno = 0;
+    char* end = nullptr;
+    const long long v = std::strtoll(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || errno == ERANGE || v < 0 || !std::isdigit(static_cast<unsigned char>(item[0])))
+      throw bad();
+    return static_cast<Index>(v);
+  };
+  std::size_t start = 0;
+  while (true) {
+    const std::size_t comma = text.find(',', start);
+    const std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    const std::size_t colon = item.find(':');
+    if (colon == std::string::npos) throw bad();
+    out.emplace_back(index(item.substr(0, colon)), index(item.substr(colon + 1)));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  std::sort(out.begin(), out.end());
+  if (std::adjacent_find(out.begin(), out.end()) != out.end())
+    throw usage_error(flag + " names a head twice, got '" + text + "'");
   return out;
 }
 
@@ -314,6 +353,12 @@ std::map<std::string, std::string> Options::metadata() const {
     for (Index l : keep_whole) layers += (layers.empty() ? "" : ",") + std::to_string(l);
     out["keep_whole"] = layers;
   }
+  if (!retrieval_heads.empty()) {
+    std::string heads;
+    for (const auto& [l, h] : retrieval_heads)
+      heads += (heads.empty() ? "" : ",") + std::to_string(l) + ":" + std::to_string(h);
+    out["retrieval_heads"] = heads;
+  }
   if (protect_prefix > 0) {
     out["protect_prefix"] = std::to_string(protect_prefix);
     out["prefix_budget"] = prefix_extra ? "extra" : "counted";
@@ -399,6 +444,9 @@ void OptionSet::set(const std::string& name, const std::string& value) {
       break;
     case Type::layer_list:
       v.list = parse_layer_list(flag, value);
+      break;
+    case Type::head_list:
+      v.heads = parse_head_list(flag, value);
       break;
   }
   if ((p->type == Type::integer || p->type == Type::real) && !in_range(*p, v.real))

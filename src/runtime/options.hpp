@@ -14,6 +14,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "kvevict/kvevict.hpp"
@@ -50,6 +51,15 @@ struct Options {
   /// The layers the engine keeps whole (docs/algorithms.md#hybrid-models), ascending.
   std::vector<Index> keep_whole;
   bool keeps_whole(Index layer) const { return std::binary_search(keep_whole.begin(), keep_whole.end(), layer); }
+  /// The retrieval heads (docs/algorithms.md#retrieval-heads) as (layer, KV head), ascending.
+  std::vector<std::pair<Index, Index>> retrieval_heads;
+  /// Layer `layer`'s retrieval heads, ascending (LayerInputs::retrieval_heads).
+  std::vector<Index> retrieval_heads_of(Index layer) const {
+    std::vector<Index> out;
+    for (const auto& [l, h] : retrieval_heads)
+      if (l == layer) out.push_back(h);
+    return out;
+  }
   /// This rank's part of a sharded model (docs/algorithms.md#sharded; kvevict_select_layers_sharded): the layers are
   /// its layers (keep_whole names global layer ids then); null: the whole model.
   const kvevict::shard::ModelShard* shard = nullptr;
@@ -72,7 +82,7 @@ struct Options {
 /// "first_stage_ratio" in the C API and Python. Both spellings are accepted as names everywhere.
 enum class Spelling { command_line, api };
 
-enum class ParameterType { integer, real, choice, flag, name, layer_list };
+enum class ParameterType { integer, real, choice, flag, name, layer_list, head_list };
 
 /// A value as its row's type parsed it (the text as given, and the number or boolean it reads as).
 struct ParsedValue {
@@ -80,7 +90,8 @@ struct ParsedValue {
   Index integer = 0;
   double real = 0.0;
   bool flag = false;
-  std::vector<Index> list;  // a layer list: distinct indices >= 0, ascending
+  std::vector<Index> list;                     // a layer list: distinct indices >= 0, ascending
+  std::vector<std::pair<Index, Index>> heads;  // a head list: distinct (layer, KV head) >= 0, ascending
 };
 
 /// What OptionSet::set has gathered: the options, and which policy, base, selector and budgets were named.

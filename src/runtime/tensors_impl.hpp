@@ -6,6 +6,7 @@
 // stored in the arithmetic type S, converted to S otherwise (they are small next to the cache, except W_o, which
 // only value-aware policies read).
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -247,6 +248,10 @@ std::vector<Selection> select_typed(const Options& options, const kvevict_layer*
   if (!options.shard && !options.keep_whole.empty() && options.keep_whole.back() >= static_cast<Index>(n_layers))
     throw invalid_argument("the layers kept whole name layer " + std::to_string(options.keep_whole.back()) +
                            "; the model has " + std::to_string(n_layers) + " layers");
+  if (!options.shard && !options.retrieval_heads.empty() &&
+      options.retrieval_heads.back().first >= static_cast<Index>(n_layers))
+    throw invalid_argument("the retrieval heads name layer " + std::to_string(options.retrieval_heads.back().first) +
+                           "; the model has " + std::to_string(n_layers) + " layers");
   for (std::size_t l = 0; l < n_layers; ++l) {
     const kvevict_layer& in = layers[l];
     // A layer kept whole (docs/algorithms.md#hybrid-models) is read for its keys' shape only.
@@ -330,6 +335,17 @@ std::vector<Selection> select_typed(const Options& options, const kvevict_layer*
       }
     }
     h.inputs.evict = !whole;
+    // Retrieval heads (docs/algorithms.md#retrieval-heads) name global KV heads; a rank's inputs hold shard->kv_heads.
+    for (Index g : options.retrieval_heads_of(options.shard ? options.shard->layers[l] : static_cast<Index>(l))) {
+      Index local = g;
+      if (options.shard) {
+        const auto& held_heads = options.shard->kv_heads;
+        const auto it = std::find(held_heads.begin(), held_heads.end(), g);
+        if (it == held_heads.end()) continue;  // another rank's head
+        local = static_cast<Index>(it - held_heads.begin());
+      }
+      h.inputs.retrieval_heads.push_back(local);
+    }
     inputs.push_back(h.inputs);
   }
   return run_policy<S>(options, inputs, window);

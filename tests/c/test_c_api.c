@@ -682,6 +682,26 @@ static void test_options(void) {
     kvevict_policy_free(plain);
     kvevict_policy_free(capped);
   }
+  { /* retrieval_heads (docs/algorithms.md#retrieval-heads): layer 1's KV head 0 forced, kept whole by one budget
+       across layers (attention scores: no mass-forced entries compete with it); a head beyond the layer refused */
+    const char* k[] = {"base", "selector", "retrieval_heads"};
+    const char* one_v[] = {"layer", "attention", "1:0"};
+    const char* bad_v[] = {"layer", "attention", "0:2"};
+    kvevict_policy *forced = create(NULL, k, one_v, 3, __LINE__), *beyond = create(NULL, k, bad_v, 3, __LINE__);
+    kvevict_selection* s = NULL;
+    snprintf(context, sizeof context, "option retrieval_heads");
+    if (forced && beyond) {
+      s = select_ok(forced, kvevict_tokens(16), layers, 2, __LINE__);
+      if (s) CHECK(kvevict_selection_offsets(s, 1)[1] == L);
+      select_error("retrieval_heads beyond the layer", beyond, kvevict_tokens(BUDGET), layers, 2,
+                   "retrieval_heads names KV head 2, expected a KV head of the layer in [0, 2)", __LINE__);
+    }
+    option_error("retrieval_heads not pairs", "snapkv", "retrieval_heads", "1", "retrieval_heads expects layer:head",
+                 __LINE__);
+    kvevict_selection_free(s);
+    kvevict_policy_free(forced);
+    kvevict_policy_free(beyond);
+  }
   { /* keep_whole: layer 1 of 2 kept whole (a hybrid model's sliding-window layer), layer 0 selected as alone */
     const char* k[] = {"keep_whole"};
     const char* one_v[] = {"1"};

@@ -906,9 +906,12 @@ inline Maps method_maps(Method m, const std::vector<ragged::Layer>& layers, cons
 // that the budget holds the prefix (the library refuses one that does not).
 // With `threshold.on` (docs/algorithms.md#threshold-budgets) the counts come from the threshold; n_kept is then what
 // the selectors read while scoring (the library's: the mean entries per head, or a per-head upper bound).
+// `retrieval[l]` (docs/algorithms.md#retrieval-heads; empty: none) lists KV heads of layer l whose every cell below the
+// forced tier is forced (the window and the protected prefix stay in theirs), in every map.
 inline std::vector<KeptRows> select(Method m, const std::vector<ragged::Layer>& layers,
                                     const std::vector<std::int64_t>& n_kept, const MethodParams& p,
-                                    const Layout& layout, std::int64_t protect = 0, const Threshold& threshold = {}) {
+                                    const Layout& layout, std::int64_t protect = 0, const Threshold& threshold = {},
+                                    const std::vector<std::vector<int>>& retrieval = {}) {
   assert(!layers.empty() && layers.size() == n_kept.size());
   AllocParams ap;
   ap.allocation = allocation_of(m);
@@ -918,6 +921,10 @@ inline std::vector<KeptRows> select(Method m, const std::vector<ragged::Layer>& 
   ap.threshold = threshold;
   assert(protect == 0 || ap.allocation != Allocation::adakv_original);
   Maps maps = method_maps(m, layers, n_kept, p);
+  for (ModelMap* model : {&maps.alloc, &maps.stage2})
+    for (std::size_t l = 0; l < retrieval.size() && l < model->size(); ++l)
+      for (int h : retrieval[l])
+        for (Cell& c : (*model)[l][detail::sz(h)]) c.tier = std::max(c.tier, kForced);
   for (ModelMap* model : {&maps.alloc, &maps.stage2})
     for (std::size_t l = 0; l < model->size(); ++l)
       for (std::size_t h = 0; h < (*model)[l].size(); ++h)

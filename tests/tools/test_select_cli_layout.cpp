@@ -158,14 +158,17 @@ Written read_written(const st::file& f, std::size_t layer) {
 }
 
 /// The library's selections on the same LayerInputs, built here from the layers (not from the file).
+/// `retrieval[l]`: layer l's LayerInputs::retrieval_heads (empty: none).
 std::vector<kvevict::Selection> library_select(const std::string& policy, const std::vector<FileLayer>& layers,
-                                               const Layout& layout, const kvevict::Budget& budget) {
+                                               const Layout& layout, const kvevict::Budget& budget,
+                                               const std::vector<std::vector<Index>>& retrieval = {}) {
   std::vector<kvevict_test::RaggedStored<float>> stored;
   stored.reserve(layers.size());  // the views point into these buffers
   std::vector<kvevict::LayerInputs<float>> in;
   for (const FileLayer& x : layers) {
     stored.push_back(kvevict_test::store<float>(x.r, x.capacity, false, static_cast<float>(kNaN)));
     in.push_back(stored.back().in);
+    if (in.size() <= retrieval.size()) in.back().retrieval_heads = retrieval[in.size() - 1];
   }
   kvevict::Knobs knobs;
   knobs.window = layers.front().r.w;
@@ -389,6 +392,44 @@ TEST_CASE("kvevict-select: the library's layout errors come through with its mes
                    {"share = per_layer"});
   }
   CHECK_FALSE(fs::exists(out));
+}
+
+TEST_CASE("kvevict-select --retrieval-heads forces the heads named, as the library's LayerInputs::retrieval_heads",
+          "[cli][layout][retrieval]") {
+  // docs/algorithms.md#retrieval-heads: layer 0's KV head 1 and layer 2's KV head 0, under every policy and two
+  // layouts; the selections equal the library's on the same inputs with those heads named.
+  const std::vector<FileLayer> layers = shared_model(20261209u, 3);
+  const fs::path in = scratch() / "retrieval.safetensors", out = scratch() / "retrieval_out.safetensors";
+  write_model(in, layers);
+  const std::vector<std::vector<Index>> retrieval = {{1}, {}, {0}};
+  int differs = 0;
+  for (const std::string& policy : policy_names())
+    for (const Layout& layout : {Layout{"head", "max", 1}, Layout{"layer", "mean", 4}}) {
+      const std::string args = "--policy " + policy + " --budget 12 --retrieval-heads 2:0,0:1" + layout.flags();
+      const Run r = run_cli(args + io(in, out));
+      CAPTURE(args, r.err);
+      REQUIRE(r.status == 0);
+      const std::vector<kvevict::Selection> want =
+          library_select(policy, layers, layout, kvevict::Budget::tokens(12), retrieval);
+      const std::vector<kvevict::Selection> plain = library_select(policy, layers, layout, kvevict::Budget::tokens(12));
+      const st::file f = st::file::open(out.string());
+      CHECK(f.metadata().at("retrieval_heads") == "0:1,2:0");
+      for (std::size_t l = 0; l < layers.size(); ++l) {
+        CHECK(read_written(f, l).indices == want[l].indices());
+        differs += want[l].indices() != plain[l].indices();
+      }
+    }
+  CHECK(differs > 10);  // the heads named change the selections
+  expect_failure("--policy snapkv --budget 8 --retrieval-heads 1" + io(in, out), 2,
+                 {"--retrieval-heads expects layer:head pairs of indices >= 0 separated by commas (6:0,7:1), got '1'"});
+  expect_failure("--policy snapkv --budget 8 --retrieval-heads 1:0,1:0" + io(in, out), 2,
+                 {"--retrieval-heads names a head twice, got '1:0,1:0'"});
+  expect_failure("--policy snapkv --budget 8 --retrieval-heads 0:-1" + io(in, out), 2,
+                 {"--retrieval-heads expects layer:head pairs"});
+  expect_failure("--policy snapkv --budget 8 --retrieval-heads 3:0" + io(in, out), 1,
+                 {"the retrieval heads name layer 3; the model has 3 layers"});
+  expect_failure("--policy snapkv --budget 8 --retrieval-heads 1:2" + io(in, out), 1,
+                 {"retrieval_heads names KV head 2, expected a KV head of the layer in [0, 2)"});
 }
 
 }  // namespace test_select_cli_layout

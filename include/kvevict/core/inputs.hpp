@@ -49,6 +49,9 @@ using gram_scalar_t = std::conditional_t<std::is_same_v<std::remove_const_t<T>, 
 ///   keys_scale, values_scale  int8 and fp8 caches only (docs/algorithms.md#quantized): entry j of KV head h holds
 ///             float(stored) * (tensor * token(h, j)); the default (tensor 1, no token scales) reads the codes as
 ///             they are. Every stage selects exactly as on float storage holding those values.
+///   retrieval_heads  optional: distinct KV heads of this layer in [0, Hkv) kept whole where the budget allows
+///             (retrieval heads, docs/algorithms.md#retrieval-heads; induction_scores() finds them): every entry of
+///             each enters the forced tier. Empty: none.
 ///   evict     false: a layer the engine keeps whole, a sliding-window or full-attention layer of a hybrid model
 ///             (docs/algorithms.md#hybrid-models). Only keys (with lengths and positions) are read, for the shape;
 ///             its Selection keeps every entry; model budgets, share = per_model and PyramidKV's schedule count the
@@ -71,6 +74,7 @@ struct LayerInputs {
   KVScale keys_scale, values_scale;
   HeadsView<const Q> scores;
   bool evict = true;
+  std::vector<Index> retrieval_heads;
 };
 
 }  // namespace kvevict
@@ -219,6 +223,14 @@ extend::LayerShape validate_inputs(const LayerInputs<KV, Q, W>& in, Index window
   } else {  // key-only: queries or attention, if given, are not read
     s.query_heads = s.kv_heads;
     s.group = 1;
+  }
+  for (std::size_t i = 0; i < in.retrieval_heads.size(); ++i) {
+    const Index h = in.retrieval_heads[i];
+    require(h >= 0 && h < s.kv_heads, where, "retrieval_heads names KV head ", h,
+            ", expected a KV head of the layer in [0, ", s.kv_heads, ")");
+    for (std::size_t k = 0; k < i; ++k)
+      require(in.retrieval_heads[k] != h, where, "retrieval_heads names KV head ", h,
+              " twice, expected distinct heads");
   }
   require_scale(in.keys_scale, is_quantized_v<KV>, s, "keys", where);
   require_scale(in.values_scale, is_quantized_v<KV>, s, "values", where);

@@ -20,6 +20,7 @@
 #include "kvevict/core/inputs.hpp"
 #include "kvevict/core/selection.hpp"
 #include "kvevict/forcing/protected_prefix.hpp"
+#include "kvevict/forcing/retrieval_heads.hpp"
 #include "kvevict/layout/units.hpp"
 #include "kvevict/measure/redundancy.hpp"
 #include "kvevict/policy/contracts.hpp"
@@ -373,6 +374,9 @@ class Policy {
       return selector_.template score<S>(in, shape, common, layer, where.c_str());
     }();
     detail::require_layout(scored.allocation, shape, where.c_str());
+    if (!in.retrieval_heads.empty())  // docs/algorithms.md#retrieval-heads: every map, before the redundancy term
+      std::apply([&](auto&... maps) { (detail::force_retrieval_heads(maps, in.retrieval_heads), ...); },
+                 detail::score_maps<SelectorType>(scored));
     if (params_.redundancy > 0.0) {  // docs/algorithms.md#redundancy: every map, below the protected prefix's tier
       const RowMatrix<S> r = extend::key_redundancy<S>(in, shape);
       std::apply([&](auto&... maps) { (extend::weigh_by_redundancy(maps, r, params_.redundancy), ...); },
