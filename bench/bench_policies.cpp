@@ -27,7 +27,9 @@
 // CriticalSelector>).
 // "h2o-carried" is H2O selecting from received attention an engine carries (LayerInputs::accumulated); "rkv" (key
 // redundancy, O(L^2 d) per head) runs up to 16k;
-// "engine-scores" and "layer-engine-scores" select from scores the engine computed (LayerInputs::scores).
+// "engine-scores" and "layer-engine-scores" select from scores the engine computed (LayerInputs::scores);
+// "<name>-l2-gram-retrieval" names KV head 0 a retrieval head (LayerInputs::retrieval_heads): its cost is the ratio to
+// the "<name>-l2-gram" row.
 // Built with KVEVICT_OPENMP, the library (and Eigen's floor GEMMs) run on OpenMP threads, and x_threads = one
 // thread's time / time.
 
@@ -98,11 +100,12 @@ std::vector<float> peaked_attention(const Model& m, Index L) {
 
 template <class T, class Policy>
 void run_policy(benchmark::State& state, const Model& m, const Policy& policy, bool precomputed_gram,
-                bool peaked = false, bool carried = false, bool engine_scores = false) {
+                bool peaked = false, bool carried = false, bool engine_scores = false, bool retrieval = false) {
   const Index L = state.range(0);
   const double keep = static_cast<double>(state.range(1)) / 100.0;
   const auto budget = kvevict::Budget::keep_ratio(keep);
   Layer<T> layer(m, L);
+  if (retrieval) layer.in.retrieval_heads = {0};  // KV head 0 forced whole (docs/algorithms.md#retrieval-heads)
   std::vector<float> attention;
   if constexpr (std::is_same_v<T, float>) {
     if (peaked) {
@@ -320,14 +323,14 @@ void policy_args(benchmark::internal::Benchmark* b, Index max_L) {
 template <class T, class Policy>
 void register_policy(const std::string& row, const Model& m, const Policy& policy, Index max_L,
                      bool precomputed_gram = false, bool peaked = false, bool carried = false,
-                     bool engine_scores = false) {
+                     bool engine_scores = false, bool retrieval = false) {
   const std::string name = "BM_" + row + "/" + storage_name<T>() + "/" + m.name;
-  policy_args(
-      benchmark::RegisterBenchmark(name.c_str(),
-                                   [m, policy, precomputed_gram, peaked, carried, engine_scores](benchmark::State& s) {
-                                     run_policy<T>(s, m, policy, precomputed_gram, peaked, carried, engine_scores);
-                                   }),
-      max_L);
+  policy_args(benchmark::RegisterBenchmark(
+                  name.c_str(),
+                  [m, policy, precomputed_gram, peaked, carried, engine_scores, retrieval](benchmark::State& s) {
+                    run_policy<T>(s, m, policy, precomputed_gram, peaked, carried, engine_scores, retrieval);
+                  }),
+              max_L);
 }
 
 /// Calls f(entry) for the named catalogue entry; a name the catalogue no longer has is an error, not a silently
@@ -371,6 +374,13 @@ void register_all() {
       register_policy<float>("layer+critical-l1", mm, entry.make(l1), 32768);
       register_policy<float>("layer+critical-l1-peaked", mm, entry.make(l1), 32768, false, /*peaked=*/true);
     });
+    // A retrieval head named (KV head 0 forced whole): against the catalogue rows layer-defensivekv-l2-gram and
+    // open-defensivekv-l2-gram of the same run, what the forced tier costs.
+    for (std::string_view row : {"layer-defensivekv", "open-defensivekv"})
+      visit_entry(row, [&](const auto& entry) {
+        register_policy<float>(std::string(row) + "-l2-gram-retrieval", mm, entry.make(l2), 65536,
+                               /*precomputed_gram=*/true, false, false, false, /*retrieval=*/true);
+      });
     // H2O from the scores an engine carries across steps (the catalogue row scores the window's attention).
     visit_entry("h2o", [&](const auto& entry) {
       register_policy<float>("h2o-carried", mm, entry.make(), 65536, false, false, /*carried=*/true);

@@ -426,8 +426,8 @@ TEST_CASE("layout reference: retrieval heads forced whole in every map, under ev
   }
   INFO("compared " << compared << ", changed " << changed << ", heads kept whole " << whole);
   CHECK(compared > kvevict_test::cases(200));
-  CHECK(changed * 5 > compared);  // the heads named change what is kept (a quarter of the cases here)
-  CHECK(whole > 20);              // and, where the allocation moves budget to them, keep them whole
+  CHECK(changed * 5 > compared);           // the heads named change what is kept (a quarter of the cases here)
+  CHECK(whole > kvevict_test::cases(40));  // and, where the allocation moves budget to them, keep them whole
   CHECK(near_ties * 50 < compared + 50);
 }
 
