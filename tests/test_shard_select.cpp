@@ -110,6 +110,12 @@ TEST_CASE("a layer split across tensor-parallel ranks keeps what one rank keeps"
                             "ExpectedAttention, " + what);
         compared += compare(with_window<kvevict::AdaKV>(w, blocks), stored.in, budget, Hkv, G, ranks,
                             "AdaKV in blocks of 4, " + what);
+        // The last KV head named a retrieval head: forced on the rank that holds it, as on one rank.
+        LayerInputs<float> named = stored.in;
+        named.retrieval_heads = {Hkv - 1};
+        compared += compare(with_window<kvevict::AdaKV>(w), named, budget, Hkv, G, ranks, "AdaKV, head named, " + what);
+        compared += compare(with_window<kvevict::DefensiveKV>(w), named, budget, Hkv, G, ranks,
+                            "DefensiveKV, head named, " + what);
         if (dense) {  // one set per layer: its heads hold the same entries
           compared += compare(with_window<kvevict::TOVA>(w), stored.in, budget, Hkv, G, ranks, "TOVA, " + what);
           compared += compare(with_window<kvevict::DefensiveKV>(w, pages), stored.in, budget, Hkv, G, ranks,
