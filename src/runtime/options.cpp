@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <type_traits>
+#include <utility>
 
 #include "run_policy.hpp"
 
@@ -194,57 +195,64 @@ Index parse_int(const std::string& flag, const std::string& text) {
   return static_cast<Index>(v);
 }
 
+/// The items of a comma-separated list, in order ("" is one empty item).
+std::vector<std::string> comma_items(const std::string& text) {
+  std::vector<std::string> items;
+  for (std::size_t start = 0;;) {
+    const std::size_t comma = text.find(',', start);
+    items.push_back(text.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+    if (comma == std::string::npos) return items;
+    start = comma + 1;
+  }
+}
+
+/// The whole of `item` read as an integer >= 0 by strtoll, or -1 when it is not one.
+Index index_or_negative(const std::string& item) {
+  errno = 0;
+  char* end = nullptr;
+  const long long v = std::strtoll(item.c_str(), &end, 10);
+  return item.empty() || *end != '\0' || errno == ERANGE || v < 0 ? -1 : static_cast<Index>(v);
+}
+
+/// `list` ascending; a usage_error "FLAG names a WHAT twice" when an entry repeats.
+template <class T>
+std::vector<T> sorted_distinct(std::vector<T> list, const std::string& flag, const char* what,
+                               const std::string& text) {
+  std::sort(list.begin(), list.end());
+  if (std::adjacent_find(list.begin(), list.end()) != list.end())
+    throw usage_error(flag + " names a " + what + " twice, got '" + text + "'");
+  return list;
+}
+
 /// "3" or "1,3,5": distinct layer indices >= 0, returned ascending.
 std::vector<Index> parse_layer_list(const std::string& flag, const std::string& text) {
   std::vector<Index> out;
-  std::size_t start = 0;
-  while (true) {
-    const std::size_t comma = text.find(',', start);
-    const std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-    errno = 0;
-    char* end = nullptr;
-    const long long v = std::strtoll(item.c_str(), &end, 10);
-    if (item.empty() || *end != '\0' || errno == ERANGE || v < 0)
-      throw usage_error(flag + " expects layer indices >= 0 separated by commas, got '" + text + "'");
-    out.push_back(static_cast<Index>(v));
-    if (comma == std::string::npos) break;
-    start = comma + 1;
+  for (const std::string& item : comma_items(text)) {
+    const Index v = index_or_negative(item);
+    if (v < 0) throw usage_error(flag + " expects layer indices >= 0 separated by commas, got '" + text + "'");
+    out.push_back(v);
   }
-  std::sort(out.begin(), out.end());
-  if (std::adjacent_find(out.begin(), out.end()) != out.end())
-    throw usage_error(flag + " names a layer twice, got '" + text + "'");
-  return out;
+  return sorted_distinct(std::move(out), flag, "layer", text);
 }
 
-/// "6:0" or "1:0,6:1": distinct (layer, KV head) pairs, both >= 0, returned ascending.
+/// "6:0" or "1:0,6:1": distinct (layer, KV head) pairs, both >= 0 and written as digits, returned ascending.
 std::vector<std::pair<Index, Index>> parse_head_list(const std::string& flag, const std::string& text) {
-  std::vector<std::pair<Index, Index>> out;
   const auto bad = [&] {
     return usage_error(flag + " expects layer:head pairs of indices >= 0 separated by commas (6:0,7:1), got '" + text +
                        "'");
   };
-  const auto index = [&](const std::string& item) {
-    errno = 0;
-    char* end = nullptr;
-    const long long v = std::strtoll(item.c_str(), &end, 10);
-    if (item.empty() || *end != '\0' || errno == ERANGE || v < 0 || !std::isdigit(static_cast<unsigned char>(item[0])))
-      throw bad();
-    return static_cast<Index>(v);
+  const auto index = [&](const std::string& part) {
+    const Index v = index_or_negative(part);
+    if (v < 0 || !std::isdigit(static_cast<unsigned char>(part[0]))) throw bad();
+    return v;
   };
-  std::size_t start = 0;
-  while (true) {
-    const std::size_t comma = text.find(',', start);
-    const std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+  std::vector<std::pair<Index, Index>> out;
+  for (const std::string& item : comma_items(text)) {
     const std::size_t colon = item.find(':');
     if (colon == std::string::npos) throw bad();
     out.emplace_back(index(item.substr(0, colon)), index(item.substr(colon + 1)));
-    if (comma == std::string::npos) break;
-    start = comma + 1;
   }
-  std::sort(out.begin(), out.end());
-  if (std::adjacent_find(out.begin(), out.end()) != out.end())
-    throw usage_error(flag + " names a head twice, got '" + text + "'");
-  return out;
+  return sorted_distinct(std::move(out), flag, "head", text);
 }
 
 bool parse_bool(const std::string& flag, const std::string& v) {
