@@ -121,7 +121,81 @@ std::vector<Reduce> reduces(int n) {
   return {both.begin(), both.begin() + n};
 }
 
+/// Scores and forcing given by the test: entry j of KV head h scores keys[h][j][0] and is forced where
+/// keys[h][j][1] > 0.5; the window rows are in the window tier (docs/algorithms.md#forcing-cap's worked example).
+struct ScriptedSelector {
+  static constexpr const char* type_name = "ScriptedSelector";
+  struct Params {
+    void validate(const char*) const {}
+  };
+  template <class S>
+  struct Layer {
+    kvevict::extend::ScoreMap<S> allocation;
+  };
+  explicit ScriptedSelector(const Params&) {}
+  bool reads_values() const { return false; }
+  void adjust_budget(kvevict::extend::LayerBudget&, const kvevict::extend::LayerShape&, const kvevict::ScoringParams&,
+                     const char*) const {}
+  template <class S, class In>
+  Layer<S> score(const In& in, const kvevict::extend::LayerShape& shape, const kvevict::ScoringParams& common,
+                 const kvevict::extend::LayerBudget&, const char*) const {
+    kvevict::RowMatrix<S> prefix = kvevict::RowMatrix<S>::Zero(shape.kv_heads, shape.prefix);
+    for (Index h = 0; h < shape.kv_heads; ++h)
+      for (Index j = 0; j < shape.prefix_of(h); ++j) prefix(h, j) = static_cast<S>(in.keys.row(h, j)[0]);
+    Layer<S> layer{kvevict::extend::scores_with_window(prefix, shape, common.reference_quirks)};
+    for (Index h = 0; h < shape.kv_heads; ++h)
+      for (Index j = 0; j < shape.prefix_of(h); ++j)
+        if (in.keys.row(h, j)[1] > 0.5) layer.allocation.promote(h, j, kvevict::extend::Tier::forced);
+    return layer;
+  }
+};
+
 }  // namespace
+
+TEST_CASE("layout: forcing cap, a group forces at most what its share holds next to its window", "[layout]") {
+  // docs/algorithms.md#forcing-cap: Hkv 2, B 2, w 2, L 12, n_kept 6, one top-k of 6 blocks: cap 2 forced blocks.
+  constexpr Index Hkv = 2, L = 12, d = 2;
+  std::vector<double> keys(static_cast<std::size_t>(Hkv * L * d), 0.0);
+  const auto set = [&](Index h, Index j, double score, bool forced) {
+    keys[static_cast<std::size_t>((h * L + j) * d)] = score;
+    keys[static_cast<std::size_t>((h * L + j) * d + 1)] = forced ? 1.0 : 0.0;
+  };
+  const double head0[] = {.1, .4, .3, .2, .05};  // blocks 0..3 forced (their first row)
+  for (Index u = 0; u < 5; ++u) {
+    set(0, 2 * u, head0[u], u < 4);
+    set(1, 2 * u, .5 + .1 * static_cast<double>(u), false);
+  }
+  const std::vector<double> queries(static_cast<std::size_t>(Hkv * 2 * d), 0.0);  // [H, w, d]: read by no score
+  kvevict::LayerInputs<double> in;
+  in.queries = kvevict::HeadsView<const double>::heads_major(queries.data(), Hkv, 2, d);
+  in.keys = kvevict::kv_heads_major<const double>(keys.data(), Hkv, L, d);
+  using Adaptive = kvevict::Policy<kvevict::HeadAdaptiveAllocation, ScriptedSelector>;
+  Adaptive::Params p;
+  p.window = 2;
+  p.alpha = 0.0;
+  p.block = 2;
+  const Adaptive adaptive(p);
+  kvevict::LayerGlobalPolicy<ScriptedSelector>::Params g;
+  g.window = 2;
+  g.block = 2;
+  const kvevict::LayerGlobalPolicy<ScriptedSelector> global(g);
+  using Rows = std::vector<std::int64_t>;
+  for (const Selection& s : {adaptive.select(in, Budget::tokens(6)), global.select(in, Budget::tokens(6))}) {
+    CHECK(head_rows(s, 0) == Rows{2, 3, 4, 5, 10, 11});  // forced blocks 1 and 2 (.4, .3), the window block
+    CHECK(head_rows(s, 1) == Rows{6, 7, 8, 9, 10, 11});  // blocks 3, 4 (.8, .9) over head 0's demoted blocks
+  }
+  in.retrieval_heads = {0};  // a named head's group is forced whole: the cap does not apply to it
+  for (const Selection& s : {adaptive.select(in, Budget::tokens(6)), global.select(in, Budget::tokens(6))}) {
+    CHECK(head_rows(s, 0) == Rows{0, 1, 2, 3, 4, 5, 6, 7, 10, 11});
+    CHECK(head_rows(s, 1) == Rows{10, 11});
+  }
+  // Per head in tokens the cap does not apply (the policies' own caps hold): the same layer at B = 1 keeps head 0's
+  // four forced rows and the window under one top-k of 12.
+  in.retrieval_heads.clear();
+  p.block = 1;
+  const Selection tokens = Adaptive(p).select(in, Budget::tokens(6));
+  CHECK(head_rows(tokens, 0) == Rows{0, 2, 4, 6, 10, 11});
+}
 
 TEST_CASE("layout: every policy x sharing x block x reduce keeps shared, whole-block selections within budget",
           "[layout]") {

@@ -69,6 +69,8 @@ TEST_CASE("a layer split across tensor-parallel ranks keeps what one rank keeps"
   no_mass.mass_forcing = false;   // the scores decide (forcing alone can fill these small budgets)
   kvevict::AdaKV::Params blocks;  // layouts (docs/algorithms.md#layouts): the layer assembled on every rank
   blocks.block = 4;
+  kvevict::DefensiveKV::Params blocks_defensive;
+  blocks_defensive.block = 4;
   kvevict::DefensiveKV::Params pages;
   pages.share = kvevict::Sharing::per_layer;
   pages.block = 4;
@@ -116,10 +118,14 @@ TEST_CASE("a layer split across tensor-parallel ranks keeps what one rank keeps"
         compared += compare(with_window<kvevict::AdaKV>(w), named, budget, Hkv, G, ranks, "AdaKV, head named, " + what);
         compared += compare(with_window<kvevict::DefensiveKV>(w), named, budget, Hkv, G, ranks,
                             "DefensiveKV, head named, " + what);
+        compared += compare(with_window<kvevict::DefensiveKV>(w, blocks_defensive), named, budget, Hkv, G, ranks,
+                            "DefensiveKV in blocks of 4, head named (the assembled layers carry it), " + what);
         if (dense) {  // one set per layer: its heads hold the same entries
           compared += compare(with_window<kvevict::TOVA>(w), stored.in, budget, Hkv, G, ranks, "TOVA, " + what);
           compared += compare(with_window<kvevict::DefensiveKV>(w, pages), stored.in, budget, Hkv, G, ranks,
                               "DefensiveKV per layer in blocks of 4, " + what);
+          compared += compare(with_window<kvevict::DefensiveKV>(w, pages), named, budget, Hkv, G, ranks,
+                              "DefensiveKV per layer in blocks of 4, head named, " + what);
         }
       }
     }

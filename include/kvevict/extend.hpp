@@ -19,7 +19,8 @@
 ///                              ranking/topk.hpp                KeepFlags, top_k_of_head, top_k_counts
 ///   selectors' shared steps    selectors/selector.hpp          scores_with_window, select_top_per_head
 ///   errors and input checks    core/error.hpp, core/inputs.hpp require, validate_inputs
-///   layouts: sharing, blocks   layout/units.hpp                Grouping, group_maps, to_units, unit_budget, expand
+///   layouts: sharing, blocks   layout/units.hpp                Grouping, group_maps, to_units, unit_budget, expand,
+///                                                              forcing_cap, cap_forcing, force_groups
 /// (a stage named by an anchor is the section docs/algorithms.md#<anchor>, e.g. docs/algorithms.md#forcing)
 
 #include "kvevict/kvevict.hpp"

@@ -22,6 +22,10 @@
 //               r = L - U B rows is always kept and never ranked; a block's tier = max of its rows' tiers, its score
 //               = max, or the sum in row order divided by B (mean), of its rows' reduced scores (compared in the
 //               scored and forced tiers), its position = that of its last row;
+//   cap         (sharing or blocks, a count budget) each group keeps at most max(0, n_blocks - w_b) forced blocks
+//               (n_blocks of its scope's budget below, w_b = max over the scope's groups of ceil(max(0, w - r_v) / B),
+//               w = 0 for StreamingLLM), the first in the ranking order; the others go to the scored tier;
+//   retrieval   every block of a group holding a named retrieval head is forced (after the cap);
 //   ranking     tier desc (safeguard, window, forced, scored), then score desc (scored and forced tiers: a forced block
 //   ranks
 //               among the forced by its rows' own scores, never by recency alone), then higher position, then
@@ -621,7 +625,21 @@ struct Maps {
   std::vector<int> w;          // [NL] window (original AdaKV's w_b; per_model: all equal)
   ModelMap alloc;              // [NL][Hkv_l][L_h] the allocation map
   ModelMap stage2;             // CriticalKV's stage-2 map (same shape), or empty
+  std::vector<int> cap_w;      // [NL] the window the forcing cap leaves room for (StreamingLLM: 0); empty: w
+  std::vector<std::vector<int>> retrieval;  // [NL] KV heads named as retrieval heads (empty: none)
 };
+
+// docs/algorithms.md#layouts, the forcing cap: in a group whose forced blocks outnumber
+// cap = max(0, n_blocks - w_b) (n_blocks of its scope's budget, w_b its window blocks), the cap that rank first stay
+// forced and the others return to the scored tier with their scores.
+inline void cap_forced(Blocks& g, std::int64_t cap) {
+  std::vector<Block> forced;
+  for (const Block& b : g.blocks)
+    if (b.tier == kForced) forced.push_back(b);
+  if (detail::i64(forced.size()) <= cap) return;
+  std::sort(forced.begin(), forced.end(), ranks_before);
+  for (std::size_t i = detail::sz(cap); i < forced.size(); ++i) g.blocks[detail::sz(forced[i].id)].tier = kScored;
+}
 
 // docs/algorithms.md#threshold-budgets, written from the text: a block passes when its tier is above kScored or its
 // score >= tau; the count of each scope (a group, a layer's groups (per_model: the one group), every group) is the
@@ -674,6 +692,38 @@ inline std::vector<KeptRows> select_maps(const Maps& maps, const std::vector<std
   for (const Group& g : groups) {
     alloc.push_back(cut_blocks(g, reduce_group(g, maps.alloc, layout.reduce), B, layout.reduce));
     if (ap.critical) stage2.push_back(cut_blocks(g, reduce_group(g, maps.stage2, layout.reduce), B, layout.reduce));
+  }
+  // The forcing cap (sharing or blocks, a count budget): per scope (a layer; per_model the one group) of V groups,
+  // cap = max(0, floor(floor((V n_kept - sum r_v) / B) / V) - w_b), w_b = max over them of ceil(max(0, w - r_v) / B).
+  if (!(layout.share == Share::per_head && B == 1) && !ap.threshold.on) {
+    for (std::size_t l = 0; l < (layout.share == Share::per_model ? 1 : NL); ++l) {
+      std::vector<std::size_t> scope;
+      std::vector<std::int64_t> tails;
+      for (std::size_t v = 0; v < groups.size(); ++v)
+        if (layout.share == Share::per_model || groups[v].layer == detail::i64(l)) {
+          scope.push_back(v);
+          tails.push_back(alloc[v].r);
+        }
+      const int w = maps.cap_w.empty() ? maps.w[l] : maps.cap_w[l];
+      std::int64_t w_b = 0;
+      for (std::int64_t r : tails) w_b = std::max(w_b, (std::max<std::int64_t>(0, w - r) + B - 1) / B);
+      const std::int64_t cap = std::max<std::int64_t>(0, scope_budget(n_kept[l], tails, B).n_blocks - w_b);
+      for (std::size_t v : scope) {
+        cap_forced(alloc[v], cap);
+        if (ap.critical) cap_forced(stage2[v], cap);
+      }
+    }
+  }
+  // Retrieval heads (docs/algorithms.md#retrieval-heads): every block of a group that holds one is forced.
+  for (std::size_t v = 0; v < groups.size(); ++v) {
+    bool named = false;
+    for (const Member& m : groups[v].members)
+      if (m.layer < maps.retrieval.size())
+        for (int h : maps.retrieval[m.layer]) named = named || sz(h) == m.head;
+    if (!named) continue;
+    for (std::vector<Blocks>* list : {&alloc, &stage2})
+      if (v < list->size())
+        for (Block& b : (*list)[v].blocks) b.tier = std::max(b.tier, kForced);
   }
 
   KeptBlocks kept(groups.size());
@@ -881,6 +931,7 @@ inline Maps method_maps(Method m, const std::vector<ragged::Layer>& layers, cons
         maps.alloc.push_back(streaming_map(pos, n_kept[l], p.sinks));
         break;
     }
+    maps.cap_w.push_back(m == Method::streamingllm ? 0 : layer.w);
     if (p.redundancy > 0.0) {  // every ranked cell of this layer's maps: (1 - rho) s - rho R
       assert(m != Method::streamingllm);
       const Ragged r = ragged::key_redundancy(layer);
@@ -921,10 +972,7 @@ inline std::vector<KeptRows> select(Method m, const std::vector<ragged::Layer>& 
   ap.threshold = threshold;
   assert(protect == 0 || ap.allocation != Allocation::adakv_original);
   Maps maps = method_maps(m, layers, n_kept, p);
-  for (ModelMap* model : {&maps.alloc, &maps.stage2})
-    for (std::size_t l = 0; l < retrieval.size() && l < model->size(); ++l)
-      for (int h : retrieval[l])
-        for (Cell& c : (*model)[l][detail::sz(h)]) c.tier = std::max(c.tier, kForced);
+  maps.retrieval = retrieval;
   for (ModelMap* model : {&maps.alloc, &maps.stage2})
     for (std::size_t l = 0; l < model->size(); ++l)
       for (std::size_t h = 0; h < (*model)[l].size(); ++h)

@@ -163,6 +163,46 @@ inline LayerBudget unit_budget(const LayerBudget& tokens, const Grouping& groupi
   return u;
 }
 
+/// The forcing cap of a group (docs/algorithms.md#layouts): the blocks a group's share holds next to its window,
+/// max(0, floor(total / V) - w_b) with total, V and w_b those of unit_budget(tokens, grouping), as DefensiveKV caps a
+/// head's mass forcing at n_kept - w. 0 when B > n_kept (unit_budget refuses that budget).
+inline Index forcing_cap(const LayerBudget& tokens, const Grouping& grouping) {
+  const Index B = grouping.block;
+  if (B > tokens.n_kept) return 0;
+  const auto V = static_cast<Index>(grouping.groups.size());
+  const Index total = (V * static_cast<Index>(tokens.n_kept) - grouping.tails()) / B;
+  Index window = 0;
+  for (const Group& g : grouping.groups)
+    window = std::max(window, (std::max<Index>(0, tokens.window - g.tail) + B - 1) / B);
+  return std::max<Index>(0, total / V - window);
+}
+
+/// Caps the forced tier of every group of a unit map [V, U] at `cap` units: a group whose forced units outnumber it
+/// keeps the `cap` that rank first (score, then recency: docs/algorithms.md#ties) forced and returns the others to
+/// the scored tier with their scores.
+template <class S>
+void cap_forcing(ScoreMap<S>& units, Index cap) {
+  std::vector<std::size_t> forced;
+  for (Index v = 0; v < units.heads; ++v) {
+    forced.clear();
+    for (Index k = 0; k < units.length(v); ++k)
+      if (units.tier_of(v, k) == Tier::forced) forced.push_back(units.flat(v, k));
+    if (static_cast<Index>(forced.size()) <= cap) continue;
+    const auto keep = forced.begin() + cap;
+    std::nth_element(forced.begin(), keep, forced.end(), detail::RanksBefore<S>{&units});
+    for (auto f = keep; f != forced.end(); ++f) units.tier[*f] = Tier::scored;
+  }
+}
+
+/// Puts every unit of the groups flagged in `whole` [V] (a group holding a retrieval head,
+/// docs/algorithms.md#retrieval-heads) in the forced tier; units in a higher tier stay there.
+template <class S>
+void force_groups(ScoreMap<S>& units, const std::vector<bool>& whole) {
+  for (Index v = 0; v < units.heads; ++v)
+    if (whole[static_cast<std::size_t>(v)])
+      for (Index k = 0; k < units.length(v); ++k) units.promote(v, k, Tier::forced);
+}
+
 /// Token keep flags [Hkv, L] of layer slot `layer` (shape `shape`) from the unit keep flags [V, stride] of
 /// `grouping`'s unit map (stride: its `tokens`): every member head keeps its group's kept blocks and its tail.
 inline KeepFlags expand(const KeepFlags& unit_keep, Index stride, const Grouping& grouping, std::size_t layer,

@@ -164,6 +164,9 @@ class Policy {
     extend::LayerShape shape;
     extend::LayerBudget budget;
     std::string where;
+    /// LayerInputs::retrieval_heads under a layout (docs/algorithms.md#layouts): their groups are forced whole after
+    /// the forcing cap. Per head in tokens they are forced in the maps themselves and this is empty.
+    std::vector<Index> retrieval_heads = {};
     /// Points shape.positions at the map's copy of the positions (after the engine's view is gone).
     void restore_positions() { shape = detail::with_map_positions(shape, layer.allocation); }
   };
@@ -374,7 +377,8 @@ class Policy {
       return selector_.template score<S>(in, shape, common, layer, where.c_str());
     }();
     detail::require_layout(scored.allocation, shape, where.c_str());
-    if (!in.retrieval_heads.empty())  // docs/algorithms.md#retrieval-heads: every map, before the redundancy term
+    // docs/algorithms.md#retrieval-heads: every map; under a layout, the groups that hold them, after the forcing cap
+    if (!in.retrieval_heads.empty() && params_.per_head_tokens())
       std::apply([&](auto&... maps) { (detail::force_retrieval_heads(maps, in.retrieval_heads), ...); },
                  detail::score_maps<SelectorType>(scored));
     if (params_.redundancy > 0.0) {  // docs/algorithms.md#redundancy: every map, below the protected prefix's tier
@@ -388,7 +392,8 @@ class Policy {
     if constexpr (allocates_model()) {  // the reference's model total reads the compression ratio
       if (params_.reference_quirks) detail::quirk_compression_ratio(layer, where.c_str());
     }
-    return {std::move(scored), shape, layer, where};
+    return {std::move(scored), shape, layer, where,
+            params_.per_head_tokens() ? std::vector<Index>{} : in.retrieval_heads};
   }
 
   /// Appends a scored layer; under the reference quirks one budget across layers needs every layer alike.
@@ -503,6 +508,31 @@ class Policy {
     return out;
   }
 
+  /// The unit maps of one scope (docs/algorithms.md#layouts): its groups reduced to units, each group's forced units
+  /// capped at what its share of `tokens` holds next to its window (nullptr: a threshold budget, no share), then the
+  /// groups holding a retrieval head forced whole, in every map of the selector.
+  template <class S, class L>
+  L unit_layer(const std::vector<Scored<S>>& layers, const std::vector<std::size_t>& scope,
+               const std::vector<const L*>& members, const extend::Grouping& grouping,
+               const extend::LayerBudget* tokens) const {
+    L units = detail::unit_layer<SelectorType>(members, grouping, params_.reduce);
+    std::vector<bool> whole(grouping.groups.size(), false);
+    bool any = false;
+    for (std::size_t v = 0; v < grouping.groups.size(); ++v)
+      for (const auto& [slot, h] : grouping.groups[v].members) {
+        const std::vector<Index>& named = layers[scope[slot]].retrieval_heads;
+        if (std::find(named.begin(), named.end(), h) != named.end()) whole[v] = any = true;
+      }
+    const Index cap = tokens ? extend::forcing_cap(*tokens, grouping) : 0;
+    std::apply(
+        [&](auto&... maps) {
+          if (tokens) (extend::cap_forcing(maps, cap), ...);
+          if (any) (extend::force_groups(maps, whole), ...);
+        },
+        detail::score_maps<SelectorType>(units));
+    return units;
+  }
+
   /// docs/algorithms.md#layouts: groups of KV heads that keep one set, in blocks. A scope is one layer, or every
   /// layer under share = per_model; its unit map is allocated alone, or with every other scope's under one budget
   /// across layers.
@@ -543,13 +573,11 @@ class Policy {
         members.push_back(&layers[l].layer);
       }
       groupings.push_back(extend::group_maps(maps, layout.share, layout.block, scope_where.c_str()));
-      if (allocates_model() || threshold) {  // allocated below, once every scope has its units
-        units.push_back(detail::unit_layer<SelectorType>(members, groupings[u], layout.reduce));
-      } else {
-        extend::LayerBudget tokens = layers[scopes[u].front()].budget;
-        if (layout.share == Sharing::per_model) tokens.total = tokens.n_kept;  // one group keeps n_kept tokens
+      extend::LayerBudget tokens = layers[scopes[u].front()].budget;
+      if (layout.share == Sharing::per_model) tokens.total = tokens.n_kept;  // one group keeps n_kept tokens
+      units.push_back(unit_layer(layers, scopes[u], members, groupings[u], threshold ? nullptr : &tokens));
+      if (!allocates_model() && !threshold) {  // else allocated below, once every scope has its units
         const extend::LayerBudget unit_budget = extend::unit_budget(tokens, groupings[u], scope_where.c_str());
-        units.push_back(detail::unit_layer<SelectorType>(members, groupings[u], layout.reduce));
         budgets[u] = allocation_.allocate(units[u].allocation, unit_budget);
         select_scope(u, scope_where);
       }

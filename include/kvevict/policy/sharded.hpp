@@ -161,6 +161,8 @@ std::vector<typename Policy<Base, Selector>::template Scored<S>> Policy<Base, Se
     for (Index h = 0; h < s.shape.kv_heads; ++h) {
       out.put(static_cast<std::int64_t>(parts[i].kv_heads[static_cast<std::size_t>(h)]));
       out.put(static_cast<std::int64_t>(s.shape.length(h)));
+      const bool named = std::find(s.retrieval_heads.begin(), s.retrieval_heads.end(), h) != s.retrieval_heads.end();
+      out.put(static_cast<std::uint8_t>(named ? 1 : 0));
     }
     std::apply(
         [&](const auto&... maps) {
@@ -181,6 +183,8 @@ std::vector<typename Policy<Base, Selector>::template Scored<S>> Policy<Base, Se
   // Per layer id: its header (from the first rank that holds it), and each head's length and rows.
   struct Head {
     Index length = 0;
+    /// Named in LayerInputs::retrieval_heads (docs/algorithms.md#retrieval-heads).
+    bool retrieval = false;
     std::vector<std::vector<std::tuple<S, std::uint8_t, std::int64_t>>> rows;  // [maps][entries]
   };
   struct Whole {
@@ -205,6 +209,7 @@ std::vector<typename Policy<Base, Selector>::template Scored<S>> Policy<Base, Se
         detail::require(w.heads.count(held.back()) == 0, where.c_str(), "layer ", header[0], ", KV head ", held.back(),
                         " is held twice");
         w.heads[held.back()].length = static_cast<Index>(in.get<std::int64_t>());
+        w.heads[held.back()].retrieval = in.get<std::uint8_t>() != 0;
       }
       constexpr std::size_t n_maps = std::tuple_size_v<decltype(detail::score_maps<SelectorType>(
           std::declval<typename SelectorType::template Layer<S>&>()))>;
@@ -280,6 +285,8 @@ std::vector<typename Policy<Base, Selector>::template Scored<S>> Policy<Base, Se
     b.shared_across_layers = w.header[12] != 0;
     b.compression_ratio = w.compression_ratio;
     Scored<S> s{std::move(layer), shape, b, where + " (layer " + std::to_string(id) + ")"};
+    for (const auto& [h, head] : w.heads)
+      if (head.retrieval) s.retrieval_heads.push_back(h);
     s.restore_positions();
     whole.push_back(std::move(s));
   }

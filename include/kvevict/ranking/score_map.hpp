@@ -17,8 +17,9 @@ namespace kvevict::extend {
 ///   window     the observation window, by recency (its score is ignored, set to 0): the reference's "pad the window
 ///              with the layer maximum"
 ///   forced     a selector's forcing (mass forcing, sinks), by its own score, then recency: per head it always fits
-///              next to the window; in a shared group or blocks, where the members' union may not, the best stay and
-///              the window is never cut for them (docs/algorithms.md#layouts)
+///              next to the window; in a shared group or blocks, where the members' union may not, the best that the
+///              group's share holds stay forced (the forcing cap) and the window is never cut for them
+///              (docs/algorithms.md#layouts); also every entry of a named retrieval head
 ///   protected_prefix  a shared prompt prefix the engine keeps (Budget::protect_prefix,
 ///   docs/algorithms.md#protected-prefix):
 ///              never evicted; the pipeline refuses a budget that cannot hold it
