@@ -109,6 +109,33 @@ bool near_tie_swap(const std::vector<ref::KeptRows>& got, const std::vector<ref:
   return true;
 }
 
+/// A random model stored for the library: each layer with `pad` rows of NaN padding past its longest head,
+/// tokens-major or not, positions shifted by `shift`; the layers' inputs and the mean entries per head of each.
+struct StoredModel {
+  std::vector<kvevict_test::RaggedStored<double>> stored;
+  std::vector<kvevict::LayerInputs<double>> inputs;
+  std::vector<std::int64_t> entries;                      // per layer: the mean entries per head, rounded down
+  Index min_entries = std::numeric_limits<Index>::max();  // the fewest of them
+  Index min_length = std::numeric_limits<Index>::max();   // the shortest head of any layer
+};
+
+StoredModel store_model(const std::vector<Ragged>& model, Index pad, bool tokens_major, std::int64_t shift) {
+  StoredModel out;
+  for (const Ragged& r : model) {
+    out.stored.push_back(kvevict_test::store<double>(r, kvevict_test::longest(r) + pad, tokens_major,
+                                                     std::numeric_limits<double>::quiet_NaN(), shift));
+    Index entries = 0;
+    for (int h = 0; h < r.Hkv; ++h) {
+      entries += kvevict_test::length(r, h);
+      out.min_length = std::min(out.min_length, kvevict_test::length(r, h));
+    }
+    out.entries.push_back(entries / r.Hkv);
+    out.min_entries = std::min(out.min_entries, entries / r.Hkv);
+  }
+  for (const auto& st : out.stored) out.inputs.push_back(st.in);
+  return out;
+}
+
 template <class P>
 P make(typename P::Params p, int w, const kvevict::LayoutParams& layout) {
   p.window = w;
@@ -145,7 +172,6 @@ lref::Layout ref_layout(const kvevict::LayoutParams& l) {
 
 TEST_CASE("layout reference: every policy x sharing x block x reduce, random layers", "[layout][reference]") {
   Rng rng(880);
-  const double nan = std::numeric_limits<double>::quiet_NaN();
   int compared = 0, near_ties = 0;
   for (int trial = 0; trial < kvevict_test::cases(18); ++trial) {
     const int Hkv = 1 + trial % 3, G = 1 + (trial / 3) % 2, w = 1 + trial % 4, d = 4 + 4 * (trial % 2);
@@ -155,19 +181,9 @@ TEST_CASE("layout reference: every policy x sharing x block x reduce, random lay
       const std::vector<Ragged> model = random_model(rng, NL, Hkv * G, Hkv, w, d, T, 0.4 + 0.02 * trial, share);
       if (trial % 6 == 5)  // uniform attention: ties everywhere
         for (const Ragged& r : model) std::fill(const_cast<Ragged&>(r).q.begin(), const_cast<Ragged&>(r).q.end(), 0.0);
-      std::vector<kvevict_test::RaggedStored<double>> stored;
-      std::vector<kvevict::LayerInputs<double>> inputs;
-      Index min_entries = std::numeric_limits<Index>::max(), min_length = std::numeric_limits<Index>::max();
-      for (const Ragged& r : model) {
-        stored.push_back(kvevict_test::store<double>(r, kvevict_test::longest(r) + 3, trial % 2 == 1, nan, 7 * trial));
-        Index entries = 0;
-        for (int h = 0; h < Hkv; ++h) {
-          entries += kvevict_test::length(r, h);
-          min_length = std::min(min_length, kvevict_test::length(r, h));
-        }
-        min_entries = std::min(min_entries, entries / Hkv);
-      }
-      for (const auto& s : stored) inputs.push_back(s.in);
+      const StoredModel stored = store_model(model, 3, trial % 2 == 1, 7 * trial);
+      const std::vector<kvevict::LayerInputs<double>>& inputs = stored.inputs;
+      const Index min_entries = stored.min_entries, min_length = stored.min_length;
       for (Index block : {Index(1), Index(2), Index(5)})
         for (kvevict::Reduce reduce : {kvevict::Reduce::max, kvevict::Reduce::mean}) {
           kvevict::LayoutParams layout;
@@ -290,7 +306,6 @@ TEST_CASE("layout reference: a protected prefix, counted or on top, under every 
   // map. The library keeps what the reference keeps with that tier; it refuses the budget exactly when the
   // reference's selection would drop a protected entry.
   Rng rng(881);
-  const double nan = std::numeric_limits<double>::quiet_NaN();
   int compared = 0, refused = 0, near_ties = 0;
   for (int trial = 0; trial < kvevict_test::cases(12); ++trial) {
     const int Hkv = 1 + trial % 3, G = 1 + (trial / 3) % 2, w = 1 + trial % 4, d = 4 + 4 * (trial % 2);
@@ -298,16 +313,9 @@ TEST_CASE("layout reference: a protected prefix, counted or on top, under every 
     for (kvevict::Sharing share :
          {kvevict::Sharing::per_head, kvevict::Sharing::per_layer, kvevict::Sharing::per_model}) {
       const std::vector<Ragged> model = random_model(rng, NL, Hkv * G, Hkv, w, d, T, 0.5 + 0.02 * trial, share);
-      std::vector<kvevict_test::RaggedStored<double>> stored;
-      std::vector<kvevict::LayerInputs<double>> inputs;
-      Index min_entries = std::numeric_limits<Index>::max();
-      for (const Ragged& r : model) {
-        stored.push_back(kvevict_test::store<double>(r, kvevict_test::longest(r) + 2, trial % 2 == 0, nan, 0));
-        Index entries = 0;
-        for (int h = 0; h < Hkv; ++h) entries += kvevict_test::length(r, h);
-        min_entries = std::min(min_entries, entries / Hkv);
-      }
-      for (const auto& st : stored) inputs.push_back(st.in);
+      const StoredModel stored = store_model(model, 2, trial % 2 == 0, 0);
+      const std::vector<kvevict::LayerInputs<double>>& inputs = stored.inputs;
+      const Index min_entries = stored.min_entries;
       const std::int64_t p = 3 + (trial * 7) % (T / 3);
       for (Index block : {Index(1), Index(4)})
         for (Budget::PrefixBudget counting : {Budget::PrefixBudget::counted, Budget::PrefixBudget::extra})
@@ -367,7 +375,6 @@ TEST_CASE("layout reference: retrieval heads forced whole in every map, under ev
   // docs/algorithms.md#retrieval-heads: every entry of a KV head named in LayerInputs::retrieval_heads is forced
   // (the window stays the window); what fits of it is kept before any scored entry, ranked by score.
   Rng rng(884);
-  const double nan = std::numeric_limits<double>::quiet_NaN();
   int compared = 0, near_ties = 0, whole = 0, changed = 0;
   for (int trial = 0; trial < kvevict_test::cases(12); ++trial) {
     const int Hkv = 1 + trial % 3, G = 1 + (trial / 3) % 2, w = 1 + trial % 4, d = 4 + 4 * (trial % 2);
@@ -375,23 +382,15 @@ TEST_CASE("layout reference: retrieval heads forced whole in every map, under ev
     for (kvevict::Sharing share :
          {kvevict::Sharing::per_head, kvevict::Sharing::per_layer, kvevict::Sharing::per_model}) {
       const std::vector<Ragged> model = random_model(rng, NL, Hkv * G, Hkv, w, d, T, 0.5 + 0.02 * trial, share);
-      std::vector<kvevict_test::RaggedStored<double>> stored;
-      std::vector<kvevict::LayerInputs<double>> inputs, plain;
+      const StoredModel stored = store_model(model, 2, trial % 2 == 0, 0);
+      const std::vector<kvevict::LayerInputs<double>>& plain = stored.inputs;
+      std::vector<kvevict::LayerInputs<double>> inputs = plain;
       std::vector<std::vector<int>> retrieval(model.size());
-      Index min_entries = std::numeric_limits<Index>::max();
+      const Index min_entries = stored.min_entries;
       for (std::size_t l = 0; l < model.size(); ++l) {
-        const Ragged& r = model[l];
-        stored.push_back(kvevict_test::store<double>(r, kvevict_test::longest(r) + 2, trial % 2 == 0, nan, 0));
-        Index entries = 0;
-        for (int h = 0; h < Hkv; ++h) entries += kvevict_test::length(r, h);
-        min_entries = std::min(min_entries, entries / Hkv);
         const int pick = (trial + static_cast<int>(l)) % (Hkv + 1);  // Hkv: none in this layer
         if (pick < Hkv) retrieval[l].push_back(pick);
-      }
-      for (std::size_t l = 0; l < stored.size(); ++l) {
-        plain.push_back(stored[l].in);
-        inputs.push_back(stored[l].in);
-        for (int h : retrieval[l]) inputs.back().retrieval_heads.push_back(h);
+        for (int h : retrieval[l]) inputs[l].retrieval_heads.push_back(h);
       }
       for (Index block : {Index(1), Index(4)})
         for (Index n : {std::max<Index>(block, min_entries / 3), std::max<Index>(block, 3 * min_entries / 4)}) {
@@ -437,7 +436,6 @@ TEST_CASE("layout reference: threshold budgets, every scope and bounds, under ev
   // clamped to the bounds in whole blocks; tau sits midway between two distinct scores of the allocation map's blocks
   // near their median, so that no block ties it within rounding.
   Rng rng(882);
-  const double nan = std::numeric_limits<double>::quiet_NaN();
   int compared = 0, near_ties = 0;
   for (int trial = 0; trial < kvevict_test::cases(12); ++trial) {
     const int Hkv = 1 + trial % 3, G = 1 + (trial / 3) % 2, w = 1 + trial % 4, d = 4 + 4 * (trial % 2);
@@ -445,16 +443,9 @@ TEST_CASE("layout reference: threshold budgets, every scope and bounds, under ev
     for (kvevict::Sharing share :
          {kvevict::Sharing::per_head, kvevict::Sharing::per_layer, kvevict::Sharing::per_model}) {
       const std::vector<Ragged> model = random_model(rng, NL, Hkv * G, Hkv, w, d, T, 0.6 + 0.02 * trial, share);
-      std::vector<kvevict_test::RaggedStored<double>> stored;
-      std::vector<kvevict::LayerInputs<double>> inputs;
-      std::vector<std::int64_t> n_kept;  // what the selectors read: the mean entries per head, rounded down
-      for (const Ragged& r : model) {
-        stored.push_back(kvevict_test::store<double>(r, kvevict_test::longest(r) + 2, trial % 2 == 0, nan, 0));
-        Index entries = 0;
-        for (int h = 0; h < Hkv; ++h) entries += kvevict_test::length(r, h);
-        n_kept.push_back(entries / Hkv);
-      }
-      for (const auto& st : stored) inputs.push_back(st.in);
+      const StoredModel stored = store_model(model, 2, trial % 2 == 0, 0);
+      const std::vector<kvevict::LayerInputs<double>>& inputs = stored.inputs;
+      const std::vector<std::int64_t>& n_kept = stored.entries;  // what the selectors read
       for (Index block : {Index(1), Index(4)})
         for (const lref::ThresholdScope scope :
              {lref::ThresholdScope::head, lref::ThresholdScope::layer, lref::ThresholdScope::model}) {
