@@ -163,7 +163,7 @@ inline LayerBudget unit_budget(const LayerBudget& tokens, const Grouping& groupi
   return u;
 }
 
-/// The forcing cap of a group (docs/algorithms.md#layouts): the blocks a group's share holds next to its window,
+/// The forcing cap of a group (docs/algorithms.md#forcing-cap): the blocks a group's share holds next to its window,
 /// max(0, floor(total / V) - w_b) with total, V and w_b those of unit_budget(tokens, grouping), as DefensiveKV caps a
 /// head's mass forcing at n_kept - w. 0 when B > n_kept (unit_budget refuses that budget).
 inline Index forcing_cap(const LayerBudget& tokens, const Grouping& grouping) {

@@ -512,9 +512,9 @@ class Policy {
   /// capped at what its share of `tokens` holds next to its window (nullptr: a threshold budget, no share), then the
   /// groups holding a retrieval head forced whole, in every map of the selector.
   template <class S, class L>
-  L unit_layer(const std::vector<Scored<S>>& layers, const std::vector<std::size_t>& scope,
-               const std::vector<const L*>& members, const extend::Grouping& grouping,
-               const extend::LayerBudget* tokens) const {
+  L scope_units(const std::vector<Scored<S>>& layers, const std::vector<std::size_t>& scope,
+                const std::vector<const L*>& members, const extend::Grouping& grouping,
+                const extend::LayerBudget* tokens) const {
     L units = detail::unit_layer<SelectorType>(members, grouping, params_.reduce);
     std::vector<bool> whole(grouping.groups.size(), false);
     bool any = false;
@@ -575,7 +575,7 @@ class Policy {
       groupings.push_back(extend::group_maps(maps, layout.share, layout.block, scope_where.c_str()));
       extend::LayerBudget tokens = layers[scopes[u].front()].budget;
       if (layout.share == Sharing::per_model) tokens.total = tokens.n_kept;  // one group keeps n_kept tokens
-      units.push_back(unit_layer(layers, scopes[u], members, groupings[u], threshold ? nullptr : &tokens));
+      units.push_back(scope_units(layers, scopes[u], members, groupings[u], threshold ? nullptr : &tokens));
       if (!allocates_model() && !threshold) {  // else allocated below, once every scope has its units
         const extend::LayerBudget unit_budget = extend::unit_budget(tokens, groupings[u], scope_where.c_str());
         budgets[u] = allocation_.allocate(units[u].allocation, unit_budget);
