@@ -163,18 +163,11 @@ inline LayerBudget unit_budget(const LayerBudget& tokens, const Grouping& groupi
   return u;
 }
 
-/// The forcing cap of a group (docs/algorithms.md#forcing-cap): the blocks a group's share holds next to its window,
-/// max(0, floor(total / V) - w_b) with total, V and w_b those of unit_budget(tokens, grouping), as DefensiveKV caps a
-/// head's mass forcing at n_kept - w. 0 when B > n_kept (unit_budget refuses that budget).
-inline Index forcing_cap(const LayerBudget& tokens, const Grouping& grouping) {
-  const Index B = grouping.block;
-  if (B > tokens.n_kept) return 0;
-  const auto V = static_cast<Index>(grouping.groups.size());
-  const Index total = (V * static_cast<Index>(tokens.n_kept) - grouping.tails()) / B;
-  Index window = 0;
-  for (const Group& g : grouping.groups)
-    window = std::max(window, (std::max<Index>(0, tokens.window - g.tail) + B - 1) / B);
-  return std::max<Index>(0, total / V - window);
+/// The forcing cap of a group (docs/algorithms.md#forcing-cap) from its scope's budget in blocks (unit_budget): the
+/// blocks a group's share holds next to its window, max(0, n_kept - window), as DefensiveKV caps a head's mass forcing
+/// at n_kept - w.
+inline Index forcing_cap(const LayerBudget& units) {
+  return std::max<Index>(0, static_cast<Index>(units.n_kept) - units.window);
 }
 
 /// Caps the forced tier of every group of a unit map [V, U] at `cap` units: a group whose forced units outnumber it

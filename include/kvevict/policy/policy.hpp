@@ -523,10 +523,12 @@ class Policy {
         const std::vector<Index>& named = layers[scope[slot]].retrieval_heads;
         if (std::find(named.begin(), named.end(), h) != named.end()) whole[v] = any = true;
       }
-    const Index cap = tokens ? extend::forcing_cap(*tokens, grouping) : 0;
+    // unit_budget refuses B > n_kept; the caller's own check names that budget (no block is kept: no cap)
+    const bool capped = tokens && grouping.block <= tokens->n_kept;
+    const Index cap = capped ? extend::forcing_cap(extend::unit_budget(*tokens, grouping, "")) : 0;
     std::apply(
         [&](auto&... maps) {
-          if (tokens) (extend::cap_forcing(maps, cap), ...);
+          if (capped) (extend::cap_forcing(maps, cap), ...);
           if (any) (extend::force_groups(maps, whole), ...);
         },
         detail::score_maps<SelectorType>(units));
