@@ -629,7 +629,7 @@ struct Maps {
   std::vector<std::vector<int>> retrieval;  // [NL] KV heads named as retrieval heads (empty: none)
 };
 
-// docs/algorithms.md#layouts, the forcing cap: in a group whose forced blocks outnumber
+// docs/algorithms.md#forcing-cap: in a group whose forced blocks outnumber
 // cap = max(0, n_blocks - w_b) (n_blocks of its scope's budget, w_b its window blocks), the cap that rank first stay
 // forced and the others return to the scored tier with their scores.
 inline void cap_forced(Blocks& g, std::int64_t cap) {
