@@ -109,8 +109,8 @@ inline kvevict::LayerInputs<float> part_of(const kvevict::LayerInputs<float>& in
   p.scores = heads_of(in.scores, h0, n);
   p.positions = heads_of(in.positions, h0, n);
   if (in.lengths) p.lengths = in.lengths + h0;
-  p.retrieval_heads
-      .clear();  // the named heads this rank holds, as its own indices (docs/algorithms.md#retrieval-heads)
+  // The named heads this rank holds, as its own indices (docs/algorithms.md#retrieval-heads).
+  p.retrieval_heads.clear();
   for (Index h : in.retrieval_heads)
     if (h >= h0 && h < h0 + n) p.retrieval_heads.push_back(h - h0);
   return p;
