@@ -827,6 +827,9 @@ int main(int argc, char** argv) {
         r.loss += d.loss[c] / docs_d;
         r.select_ms += d.select_ms[c] / docs_d;
         if (!d.forward_ms.empty()) r.forward_ms += d.forward_ms[c] / docs_d;
+        r.kept_by_head.resize(d.kept[c].size(), 0.0);
+        for (std::size_t i = 0; i < d.kept[c].size(); ++i)
+          r.kept_by_head[i] += static_cast<double>(d.kept[c][i]) / docs_d;
         for (Index k : d.kept[c]) {
           kept_min = std::min(kept_min, k);
           kept_max = std::max(kept_max, k);

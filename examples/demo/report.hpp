@@ -81,6 +81,7 @@ struct Record {
   double forward_ms = 0;                 // streaming modes, per doc: the forward passes (eviction excluded)
   double kept_mean = 0;                  // cache rows per (layer, KV head) after eviction, over all docs
   long kept_min = 0, kept_max = 0;
+  std::vector<double> kept_by_head;  // [layer * kv_heads + kv_head]: cache rows after eviction, mean over docs
 
   bool full() const { return policy == "full"; }
   /// The row's name: the policy, @ the engine mode when there is one.
@@ -109,7 +110,8 @@ inline nlohmann::json to_json(const Record& r) {
           {"select_ms", r.select_ms},
           {"prefill_ms", r.prefill_ms},
           {"forward_ms", r.forward_ms},
-          {"kept_per_head", {{"mean", r.kept_mean}, {"min", r.kept_min}, {"max", r.kept_max}}}};
+          {"kept_per_head", {{"mean", r.kept_mean}, {"min", r.kept_min}, {"max", r.kept_max}}},
+          {"kept_by_layer_head", r.kept_by_head}};
 }
 
 inline Record from_json(const nlohmann::json& j) {
@@ -140,6 +142,7 @@ inline Record from_json(const nlohmann::json& j) {
   r.kept_mean = j.at("kept_per_head").at("mean").get<double>();
   r.kept_min = j.at("kept_per_head").at("min").get<long>();
   r.kept_max = j.at("kept_per_head").at("max").get<long>();
+  r.kept_by_head = j.value("kept_by_layer_head", std::vector<double>());  // files written before 2026-12-07: none
   return r;
 }
 
@@ -269,6 +272,13 @@ inline std::vector<std::string> check_records(const std::vector<Record>& records
     for (double v : r.doc_losses)
       if (!std::isfinite(v)) fail(r, "a non-finite doc loss");
     if (static_cast<long>(r.doc_losses.size()) != r.docs) fail(r, "doc_losses has the wrong length");
+    if (r.docs > 0 && !r.kept_by_head.empty()) {  // the rows per (layer, KV head) average to kept/head's mean
+      double sum = 0;
+      for (double v : r.kept_by_head) sum += v;
+      const auto n = static_cast<double>(r.kept_by_head.size());
+      if (!(std::abs(sum / n - r.kept_mean) <= 1e-6 * std::max(1.0, r.kept_mean)))
+        fail(r, "kept_by_layer_head does not average to kept_per_head's mean");
+    }
     if (!r.full()) continue;
     have_full = true;
     const auto& docs = reference.at("docs");
