@@ -219,6 +219,7 @@ struct Options {
   std::string json, svg, replot;
   bool check = false, ablations = false;
   bool stepwise = false;
+  bool attention_rows = false;  // --attention-rows: the engine hands kvevict the window's softmax rows
   demo::Mode mode = demo::Mode::oneshot;
   Index chunk = 0;  // --chunk C; 0: the mode's default (256 chunked, 64 capped)
   kvevict::Sharing share = kvevict::Sharing::per_head;
@@ -231,17 +232,18 @@ struct Options {
 };
 
 void usage(std::FILE* out) {
-  std::fprintf(out,
-               "usage: kvevict-demo [--docs N] [--passkeys M] [--keep R[,R...]] [--policies NAME[,NAME...]]\n"
-               "                    [--json FILE] [--svg FILE] [--replot FILE] [--check] [--ablations]\n"
-               "                    [--model DIR] [--threads N] [--stepwise] [--mode M] [--chunk C]\n"
-               "                    [--share S] [--block B] [--reduce R] [--renumber] [--pages B]\n"
-               "                    [--engines NAME[,NAME...]|all]\n"
-               "  --docs N        continuation loss on the first N of the 64 eval docs (default %d)\n"
-               "  --passkeys M    passkey retrieval on the first M of the 192 records (default %d)\n"
-               "  --keep LIST     keep ratios (default 0.2,0.1,0.05): n_kept = floor(keep * context length)\n"
-               "  --policies LIST subset of:",
-               Options{}.docs, Options{}.passkeys);
+  std::fprintf(
+      out,
+      "usage: kvevict-demo [--docs N] [--passkeys M] [--keep R[,R...]] [--policies NAME[,NAME...]]\n"
+      "                    [--json FILE] [--svg FILE] [--replot FILE] [--check] [--ablations]\n"
+      "                    [--model DIR] [--threads N] [--stepwise] [--attention-rows] [--mode M] [--chunk C]\n"
+      "                    [--share S] [--block B] [--reduce R] [--renumber] [--pages B]\n"
+      "                    [--engines NAME[,NAME...]|all]\n"
+      "  --docs N        continuation loss on the first N of the 64 eval docs (default %d)\n"
+      "  --passkeys M    passkey retrieval on the first M of the 192 records (default %d)\n"
+      "  --keep LIST     keep ratios (default 0.2,0.1,0.05): n_kept = floor(keep * context length)\n"
+      "  --policies LIST subset of:",
+      Options{}.docs, Options{}.passkeys);
   for (const auto& p : all_policies()) std::fprintf(out, " %s", p.name.c_str());
   std::fprintf(
       out,
@@ -254,6 +256,9 @@ void usage(std::FILE* out) {
       "  --model DIR     model directory (default: the vendored models/tinycode)\n"
       "  --threads N     docs and passkey records run in parallel on N threads (default: all cores)\n"
       "  --stepwise      run the continuation one decoding step at a time (slower, same numbers)\n"
+      "  --attention-rows  the engine hands each policy the softmax rows its forward pass computed for the window\n"
+      "                  (LayerInputs::attention, eager attention) instead of the queries (policies that read\n"
+      "                  queries themselves, expected-attention, refuse it)\n"
       "  --mode M        oneshot (default): prefill the context, evict once, continue;\n"
       "                  chunked: prefill the context in chunks of C, evicting to n_kept after each, then\n"
       "                  continue without eviction; capped: stream the whole document (context and\n"
@@ -369,6 +374,8 @@ Options parse(int argc, char** argv) {
       if (o.chunk < 32) throw std::invalid_argument("--chunk must be >= 32 (the window)");
     } else if (a == "--stepwise") {
       o.stepwise = true;
+    } else if (a == "--attention-rows") {
+      o.attention_rows = true;
     } else {
       throw std::invalid_argument("unknown argument '" + a + "' (see --help)");
     }
@@ -538,6 +545,7 @@ Index stream_budget(const RunConfig& run, std::size_t context) {
 Matrix run_streaming(const tinycode::Model& model, const Options& opt, const RunConfig& run,
                      const tinycode::eval::Tokens& context, const tinycode::eval::Tokens& after, Outcome& out) {
   Engine engine(model, 32, 0, run.pages);
+  engine.hand_attention_rows(opt.attention_rows);
   engine.renumber_positions(run.renumber);
   const Index n = stream_budget(run, context.size());
   Matrix logits(static_cast<Index>(context.size() + after.size()), model.config.vocab);
@@ -572,11 +580,13 @@ struct Prefilled {
   Engine slab;
   std::vector<std::pair<Index, Engine>> paged;  // (page_rows, engine)
 
-  Prefilled(const tinycode::Model& model, const std::vector<RunConfig>& runs) : slab(model) {
+  Prefilled(const tinycode::Model& model, const std::vector<RunConfig>& runs, bool attention_rows) : slab(model) {
     for (const RunConfig& run : runs)
       if (run.pages > 0 &&
           std::none_of(paged.begin(), paged.end(), [&](const auto& p) { return p.first == run.pages; }))
         paged.emplace_back(run.pages, Engine(model, 32, 0, run.pages));
+    slab.hand_attention_rows(attention_rows);
+    for (auto& p : paged) p.second.hand_attention_rows(attention_rows);
   }
   /// Runs the context on every engine; returns the slab engine's logits, and its time in *slab_ms.
   Matrix extend(const tinycode::eval::Tokens& context, double* slab_ms = nullptr) {
@@ -630,7 +640,7 @@ DocResult run_doc(const tinycode::Model& model, const tinycode::eval::Tokens& do
     }
     return r;
   }
-  Prefilled prefilled(model, runs);
+  Prefilled prefilled(model, runs, opt.attention_rows);
   const Matrix context_logits = prefilled.extend(task.context, &r.prefill_ms);  // full causal attention, 1536 bytes
   const double replay_ms = prefilled.score(runs);
   for (const RunConfig& run : runs) {
@@ -663,7 +673,7 @@ KeyResult run_passkey(const tinycode::Model& model, const tinycode::eval::Passke
     }
     return r;
   }
-  Prefilled prefilled(model, runs);
+  Prefilled prefilled(model, runs, opt.attention_rows);
   prefilled.extend(task.context);
   prefilled.score(runs);
   for (const RunConfig& run : runs) {
@@ -766,6 +776,8 @@ int main(int argc, char** argv) {
                 n_docs ? n_docs - 1 : 0, n_docs, docs.size());
     std::printf("passkey retrieval: records 0..%zu (%zu of %zu; context = the ~1.8 KB before the question)%s\n",
                 n_keys ? n_keys - 1 : 0, n_keys, passkeys.size(), opt.stepwise ? "; stepwise decoding" : "");
+    if (opt.attention_rows)
+      std::printf("window attention: the softmax rows the engine's forward pass computed (--attention-rows)\n");
     if (std::any_of(runs.begin(), runs.end(), [](const RunConfig& r) { return r.policy->retrieval; })) {
       const RetrievalHeads& calibrated = retrieval_heads(model);  // computed here, once, before the threads
       std::string best;
@@ -807,6 +819,7 @@ int main(int argc, char** argv) {
       r.block = static_cast<long>(runs[c].layout.block.value_or(1));
       r.reduce = runs[c].layout.reduce.value_or(kvevict::Reduce::max);
       r.renumber = runs[c].renumber;
+      r.attention_rows = opt.attention_rows;
       r.pages = static_cast<long>(runs[c].pages);
       if (runs[c].engine) r.engine = runs[c].engine->name;
       r.keep = runs[c].keep;

@@ -65,13 +65,14 @@ struct Record {
   kvevict::Sharing share = kvevict::Sharing::per_head;  // the layout (docs/algorithms.md#layouts)
   long block = 1;
   kvevict::Reduce reduce = kvevict::Reduce::max;
-  bool renumber = false;  // RoPE positions renumbered after each eviction
-  long pages = 0;         // the engine's page pool (vLLM): pages of this many tokens; 0: slabs
-  std::string engine;     // --engines: the engine mode (docs/engines.md); empty: the layout flags
-  std::string refused;    // the engine's adapter refused the selections (for any doc or record): its message, and
-                          // no numbers then (loss, passkeys and kept stay 0)
-  double keep = 1;        // keep ratio; 1 for the full cache
-  long n_kept = 0;        // floor(keep * context length)
+  bool renumber = false;        // RoPE positions renumbered after each eviction
+  bool attention_rows = false;  // the engine handed the window's softmax rows (--attention-rows), not its queries
+  long pages = 0;               // the engine's page pool (vLLM): pages of this many tokens; 0: slabs
+  std::string engine;           // --engines: the engine mode (docs/engines.md); empty: the layout flags
+  std::string refused;          // the engine's adapter refused the selections (for any doc or record): its message, and
+                                // no numbers then (loss, passkeys and kept stay 0)
+  double keep = 1;              // keep ratio; 1 for the full cache
+  long n_kept = 0;              // floor(keep * context length)
   long docs = 0;
   double loss = 0;  // mean continuation NLL (nats/byte)
   std::vector<double> doc_losses;
@@ -96,6 +97,7 @@ inline nlohmann::json to_json(const Record& r) {
           {"block", r.block},
           {"reduce", kvevict::to_string(r.reduce)},
           {"renumber", r.renumber},
+          {"attention_rows", r.attention_rows},
           {"pages", r.pages},
           {"engine", r.engine},
           {"refused", r.refused},
@@ -123,6 +125,7 @@ inline Record from_json(const nlohmann::json& j) {
   r.block = j.value("block", 1L);
   r.reduce = j.value("reduce", std::string("max")) == "mean" ? kvevict::Reduce::mean : kvevict::Reduce::max;
   r.renumber = j.value("renumber", false);
+  r.attention_rows = j.value("attention_rows", false);
   r.pages = j.value("pages", 0L);
   r.engine = j.value("engine", std::string());
   r.refused = j.value("refused", std::string());

@@ -24,6 +24,11 @@
 /// window, docs/algorithms.md#streaming).
 /// The forward pass also adds each softmax row to the attention its entries received (LayerBook::add_attention),
 /// which H2O reads: the prefill's whole causal attention, then every later token's.
+/// hand_attention_rows(true): extend() also keeps the softmax rows it computed for the last `window` positions
+/// [H, w, capacity], and eviction_inputs() hands kvevict those rows (LayerInputs::attention, as an engine with eager
+/// attention can) instead of the queries, so the policy does not compute the window's attention again. The rows are
+/// those of the cache they were computed over: an eviction invalidates a layer's rows until `window` more
+/// positions have run (eviction_inputs() then hands the queries).
 /// Paged (page_rows > 0): the cache is vLLM's page pool with one block table (KVCache); kvevict reads it in place
 /// through the table (kvevict::kv_paged_tokens_major) and every eviction applies kvevict::adapters::vllm_plan to all
 /// layers at once, so the policy must keep one set for the model (share = per_model); positions are kept.
@@ -100,6 +105,14 @@ class Engine {
     r.layout = kvevict::RopeLayout::half;
     return r;
   }
+  /// Whether eviction_inputs() hands the forward pass's softmax rows of the window (see the file comment).
+  bool hands_attention_rows() const { return !window_attention_.empty(); }
+  void hand_attention_rows(bool on) {
+    const Config& c = model_->config;
+    window_attention_.assign(on ? static_cast<std::size_t>(c.n_layer) : 0,
+                             std::vector<float>(static_cast<std::size_t>(c.n_head * window_ * cache_.capacity())));
+    attention_filled_.assign(static_cast<std::size_t>(c.n_layer), 0);
+  }
   /// Forgets every token (keeps the allocations).
   void reset() {
     cache_.clear();
@@ -107,6 +120,7 @@ class Engine {
     engine_scores_.clear();
     next_position_ = 0;
     window_filled_ = 0;
+    std::fill(attention_filled_.begin(), attention_filled_.end(), 0);
   }
 
   /// Runs `n` tokens (see the file comment); returns their logits [n, vocab]: row i predicts the token after
@@ -138,8 +152,9 @@ class Engine {
   RowVector decode(Token token) { return extend(&token, 1); }
 
   /// What a kvevict policy reads for `layer`: queries [H, w, d] (post-RoPE queries of the last w <= window()
-  /// positions; w = window() by default), keys / values [Hkv, capacity, d] viewing this engine's cache (no copy)
-  /// with each head's length and positions, and W_o (model().layers[layer].wo, [d_model, H * d] in PyTorch Linear
+  /// positions; w = window() by default) or, with hand_attention_rows(true) and w rows run since the layer's last
+  /// eviction, their softmax rows [H, w, capacity], keys / values [Hkv, capacity, d] viewing this engine's cache (no
+  /// copy) with each head's length and positions, and W_o (model().layers[layer].wo, [d_model, H * d] in PyTorch Linear
   /// layout, for value-aware selectors). Valid until the next extend() or evict(). Needs window() positions run.
   kvevict::LayerInputs<float> eviction_inputs(Index layer, Index w = 0) const {
     const Config& c = model_->config;
@@ -153,10 +168,14 @@ class Engine {
       throw std::logic_error("Engine::eviction_inputs: fewer than window = " + std::to_string(window_) +
                              " positions have been run");
     kvevict::LayerInputs<float> in;
-    in.queries =
-        kvevict::last_rows(kvevict::HeadsView<const float>::heads_major(
-                               window_queries_[static_cast<std::size_t>(layer)].data(), c.n_head, window_, c.head_dim),
-                           w);
+    const auto l = static_cast<std::size_t>(layer);
+    if (hands_attention_rows() && attention_filled_[l] >= w)
+      in.attention = kvevict::last_rows(kvevict::HeadsView<const float>::heads_major(
+                                            window_attention_[l].data(), c.n_head, window_, cache_.capacity()),
+                                        w);
+    else
+      in.queries = kvevict::last_rows(
+          kvevict::HeadsView<const float>::heads_major(window_queries_[l].data(), c.n_head, window_, c.head_dim), w);
     in.keys = cache_.key_view(layer);
     in.values = cache_.value_view(layer);
     const Matrix& wo = model_->layers[static_cast<std::size_t>(layer)].wo;  // W_o [d_model, n_head * head_dim]
@@ -190,6 +209,7 @@ class Engine {
     if (cache_.paged()) throw std::logic_error("Engine::evict: a paged cache evicts every layer at once");
     cache_.compact(layer, selection);
     engine_scores_.clear();
+    if (hands_attention_rows()) attention_filled_[static_cast<std::size_t>(layer)] = 0;  // its columns moved
     if (!renumber_) return;
     const Index heads = selection.heads(), rows = std::max<Index>(1, selection.max_length());
     std::vector<std::int64_t> deltas(static_cast<std::size_t>(heads * rows), 0);  // [Hkv, rows]
@@ -206,6 +226,7 @@ class Engine {
     if (cache_.paged()) {
       cache_.evict_pages(selections);
       engine_scores_.clear();
+      std::fill(attention_filled_.begin(), attention_filled_.end(), 0);
       return;
     }
     for (Index l = 0; l < model_->config.n_layer; ++l) evict(l, selections[static_cast<std::size_t>(l)]);
@@ -384,6 +405,36 @@ class Engine {
     }
   }
 
+  /// Before layer l's forward over n new tokens: moves the window attention rows that stay (the newest
+  /// min(filled, window - n)) to the front of each query head's [window, capacity] rows; returns how many.
+  Index shift_window_attention(Index l, Index n) {
+    if (!hands_attention_rows()) return 0;
+    const Index cap = cache_.capacity(), filled = attention_filled_[static_cast<std::size_t>(l)];
+    const Index old = std::min(filled, std::max<Index>(0, window_ - n));
+    float* buf = window_attention_[static_cast<std::size_t>(l)].data();
+    for (Index qh = 0; qh < model_->config.n_head; ++qh) {
+      float* head = buf + qh * window_ * cap;
+      std::copy(head + (filled - old) * cap, head + filled * cap, head);  // forward copy, destination first
+    }
+    return old;
+  }
+  /// Keeps the softmax rows of the new tokens among the last `window` positions: `scores` [bn, visible] are rows
+  /// b0 .. b0 + bn - 1 of the n new tokens of query head qh over a cache of `length` rows, zero beyond each row's
+  /// causal end. A kept row is read while fewer than `window` positions follow it, so its columns up to
+  /// length + window (or the capacity) are written, zeros beyond `visible`.
+  void remember_window_attention(Index l, Index qh, const Matrix& scores, Index n, Index b0, Index kept_rows,
+                                 Index length) {
+    if (!hands_attention_rows()) return;
+    const Index cap = cache_.capacity(), take = std::min(n, window_), first = n - take;
+    const Index cols = std::min(cap, length + window_);
+    float* head = window_attention_[static_cast<std::size_t>(l)].data() + qh * window_ * cap;
+    for (Index i = std::max<Index>(0, first - b0); i < scores.rows(); ++i) {
+      float* row = head + (kept_rows + b0 + i - first) * cap;
+      for (Index j = 0; j < scores.cols(); ++j) row[j] = scores(i, j);
+      std::fill(row + scores.cols(), row + cols, 0.0f);
+    }
+  }
+
   /// score_by_reconstruction's scoring of one block of replayed queries: `logits` [bn, >= cached + b0 + bn] are
   /// the raw q k^T of replay rows b0 .. b0 + bn - 1 over the cache. For each row, the softmax over the sinks, the
   /// chunk's entries and the replay up to that row; each chunk entry keeps the largest weight it gets.
@@ -427,6 +478,7 @@ class Engine {
       cache_.write_new(l, kh, k.middleCols(kh * d, d), v.middleCols(kh * d, d));
 
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    const Index kept_rows = shift_window_attention(l, n);  // rows of earlier calls that stay, at the front
     Matrix attn(n, c.n_head * d);
     Matrix scores, key_rows, value_rows;  // the head's rows read through the block table (paged)
     RowVector received;  // attention each row of the KV head received from the new tokens' queries (H2O)
@@ -449,12 +501,17 @@ class Engine {
             row.head(visible) /= row.head(visible).sum();
             row.tail(visible_end - visible).setZero();
           }
+          remember_window_attention(l, qh, scores, n, b0, kept_rows, keys.rows());
           attn.block(b0, qh * d, bn, d).noalias() = scores * values.topRows(visible_end);
           for (Index i = 0; i < bn; ++i) received.head(visible_end) += scores.row(i);  // rows are contiguous
         }
       }
       received /= static_cast<float>(group);  // the mean over the group's query heads
       cache_.book().layer(l).add_attention(kh, received.data(), keys.rows());
+    }
+    if (hands_attention_rows()) {
+      auto& filled = attention_filled_[static_cast<std::size_t>(l)];
+      filled = std::min(window_, kept_rows + n);
     }
     x.noalias() += attn * w.wo.transpose();
 
@@ -471,14 +528,16 @@ class Engine {
   KVCache cache_;
   Index next_position_ = 0;
   bool renumber_ = false;
-  Index window_filled_ = 0;                          // valid rows of window_queries_ (min(window_, positions run))
-  std::vector<std::vector<float>> window_queries_;   // per layer [H, window_, d]
-  std::vector<Token> tokens_;                        // every token run since the last reset()
-  std::vector<std::vector<float>> engine_scores_;    // per layer [Hkv, capacity]: score_by_reconstruction()'s
-  std::vector<std::vector<float>>* peak_ = nullptr;  // during a replay: where the peaks go
-  std::pair<Index, Index> peak_chunk_{0, 0};         // during a replay: the entries scored [first, end)
-  Index peak_sinks_ = 0;                             // during a replay: the sink entries in each softmax
-  Matrix rope_cos_, rope_sin_;                       // [ctx, d / 2]
+  Index window_filled_ = 0;                           // valid rows of window_queries_ (min(window_, positions run))
+  std::vector<std::vector<float>> window_queries_;    // per layer [H, window_, d]
+  std::vector<std::vector<float>> window_attention_;  // hand_attention_rows(true): per layer [H, window_, capacity]
+  std::vector<Index> attention_filled_;               // per layer: valid rows of window_attention_ since its eviction
+  std::vector<Token> tokens_;                         // every token run since the last reset()
+  std::vector<std::vector<float>> engine_scores_;     // per layer [Hkv, capacity]: score_by_reconstruction()'s
+  std::vector<std::vector<float>>* peak_ = nullptr;   // during a replay: where the peaks go
+  std::pair<Index, Index> peak_chunk_{0, 0};          // during a replay: the entries scored [first, end)
+  Index peak_sinks_ = 0;                              // during a replay: the sink entries in each softmax
+  Matrix rope_cos_, rope_sin_;                        // [ctx, d / 2]
 };
 
 }  // namespace tinycode

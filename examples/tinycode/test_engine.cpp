@@ -4,6 +4,8 @@
 //   3. chunked decoding (extend of n tokens) == n single decoding steps, on a compressed cache; compaction keeps
 //      original positions and rows; window queries do not depend on the chunking
 //   4. SnapKV, AdaKV and StreamingLLM on doc 0 at keep 10%: exact budgets, finite loss, views are zero-copy
+//   5. hand_attention_rows: the window's softmax rows are the attention of its queries (float64 reference), the
+//      selections are the queries', and an eviction hands the queries until a window of positions has run
 // The model directory is the vendored models/tinycode unless the environment variable KVEVICT_TINYCODE_DIR names
 // another one.
 
@@ -306,4 +308,76 @@ TEST_CASE("a paged engine (vLLM's page pool and plans) reproduces the slab engin
       kvevict::select_layers(kvevict::AdaKV{}, paged.eviction_inputs(), kvevict::Budget::keep_ratio(0.1));
   CHECK_THROWS_WITH(paged.evict(per_head), Catch::Contains("select with share = per_model"));
   CHECK_THROWS_AS(paged.renumber_positions(true), std::invalid_argument);
+}
+
+TEST_CASE("the window's softmax rows the engine hands are the attention of its queries, until an eviction",
+          "[engine]") {
+  const Doc0& d = doc0();
+  const tinycode::Index w = 32, layers = 10, heads = 8, group = 4;
+  tinycode::Engine rows(model()), queries(model());
+  rows.hand_attention_rows(true);
+  CHECK(rows.hands_attention_rows());
+  CHECK_FALSE(queries.hands_attention_rows());
+  // The reference: softmax(q k^T / sqrt(d)) in double over each head's entries, window row i seeing rows up to
+  // length - w + i (the window is the cache's last w rows).
+  const auto check_rows = [&](const char* when) {
+    INFO(when);
+    for (tinycode::Index l = 0; l < layers; ++l) {
+      const auto a = rows.eviction_inputs(l);
+      const auto q = queries.eviction_inputs(l);
+      REQUIRE(a.queries.heads() == 0);
+      REQUIRE(a.attention.heads() == heads);
+      REQUIRE(a.attention.rows() == w);
+      double worst = 0;
+      for (tinycode::Index qh = 0; qh < heads; ++qh) {
+        const tinycode::Index kh = qh / group, len = queries.cache().length(l, kh);
+        REQUIRE(rows.cache().length(l, kh) == len);
+        for (tinycode::Index i = 0; i < w; ++i) {
+          const tinycode::Index visible = len - w + i + 1;
+          std::vector<double> p(static_cast<std::size_t>(len), 0.0);
+          double mx = -1e300, z = 0;
+          for (tinycode::Index j = 0; j < visible; ++j) {
+            double dot = 0;
+            for (tinycode::Index c = 0; c < 32; ++c)
+              dot += double(q.queries.row(qh, i)[c]) * double(q.keys.row(kh, j)[c]);
+            p[static_cast<std::size_t>(j)] = dot / std::sqrt(32.0);
+            mx = std::max(mx, p[static_cast<std::size_t>(j)]);
+          }
+          for (tinycode::Index j = 0; j < visible; ++j) z += std::exp(p[static_cast<std::size_t>(j)] - mx);
+          for (tinycode::Index j = 0; j < len; ++j) {
+            const double want = j < visible ? std::exp(p[static_cast<std::size_t>(j)] - mx) / z : 0.0;
+            worst = std::max(worst, std::abs(double(a.attention.row(qh, i)[j]) - want));
+          }
+        }
+      }
+      CHECK(worst < 1e-5);
+    }
+  };
+  const auto run = [&](const tinycode::Token* t, tinycode::Index n) {
+    rows.extend(t, n);
+    queries.extend(t, n);
+  };
+  const auto& ctx = d.task.context;
+  run(ctx.data(), 600);  // a prefill
+  check_rows("after a prefill of 600");
+  for (tinycode::Index i = 0; i < 5; ++i) run(ctx.data() + 600 + i, 1);  // decoding steps: rows move up
+  check_rows("after 5 decoding steps");
+  run(ctx.data() + 605, 40);  // a chunk longer than the window
+  check_rows("after a chunk of 40");
+  // The same selections either way (SnapKV, and DefensiveKV's layer-global form, whose forcing reads the rows).
+  const auto budget = kvevict::Budget::tokens(120);
+  CHECK(kvevict::select_layers(kvevict::SnapKV{}, rows.eviction_inputs(), budget)[3].indices() ==
+        kvevict::select_layers(kvevict::SnapKV{}, queries.eviction_inputs(), budget)[3].indices());
+  const auto by_rows = kvevict::select_layers(kvevict::LayerDefensiveKV{}, rows.eviction_inputs(), budget);
+  const auto by_queries = kvevict::select_layers(kvevict::LayerDefensiveKV{}, queries.eviction_inputs(), budget);
+  for (std::size_t l = 0; l < by_rows.size(); ++l) CHECK(by_rows[l].indices() == by_queries[l].indices());
+  // An eviction moves the columns: the engine hands the queries until a window of positions has run again.
+  rows.evict(by_rows);
+  queries.evict(by_queries);
+  CHECK(rows.eviction_inputs(0).attention.heads() == 0);
+  CHECK(rows.eviction_inputs(0).queries.heads() == heads);
+  run(ctx.data() + 645, 31);
+  CHECK(rows.eviction_inputs(9).attention.heads() == 0);
+  run(ctx.data() + 676, 1);
+  check_rows("after an eviction and 32 decoded positions (a ragged cache)");
 }
