@@ -397,7 +397,7 @@ class Engine {
     for (Index h = 0; h < c.n_head; ++h) {
       float* head = buf + h * window_ * d;
       // the last `old` remembered rows move to the front (forward copy; destination starts first)
-      std::copy(head + (window_filled_ - old) * d, head + window_filled_ * d, head);
+      if (window_filled_ > old) std::copy(head + (window_filled_ - old) * d, head + window_filled_ * d, head);
       for (Index i = 0; i < take; ++i) {
         const auto src = q.row(n - take + i).segment(h * d, d);
         std::copy(src.data(), src.data() + d, head + (old + i) * d);
@@ -414,7 +414,7 @@ class Engine {
     float* buf = window_attention_[static_cast<std::size_t>(l)].data();
     for (Index qh = 0; qh < model_->config.n_head; ++qh) {
       float* head = buf + qh * window_ * cap;
-      std::copy(head + (filled - old) * cap, head + filled * cap, head);  // forward copy, destination first
+      if (filled > old) std::copy(head + (filled - old) * cap, head + filled * cap, head);  // destination first
     }
     return old;
   }
