@@ -388,35 +388,38 @@ class Engine {
     }
   }
 
+  /// The sliding window of rows both remembered tensors keep: `heads` blocks of [window, width] rows in `buf`, the
+  /// first `filled` valid. Before n new rows arrive, moves the newest min(filled, window - min(n, window)) rows of
+  /// each head to its front and returns how many (the new rows then go right after them).
+  static Index slide_window(float* buf, Index heads, Index window, Index width, Index filled, Index n) {
+    const Index old = std::min(filled, window - std::min(n, window));
+    for (Index h = 0; h < heads; ++h) {
+      float* head = buf + h * window * width;
+      if (filled > old) std::copy(head + (filled - old) * width, head + filled * width, head);  // destination first
+    }
+    return old;
+  }
+
   /// Keeps the post-RoPE queries of the last `window_` positions of layer l ([H, w, d], oldest first).
   void remember_window_queries(Index l, const Matrix& q) {
     const Config& c = model_->config;
     const Index n = q.rows(), d = c.head_dim, take = std::min(n, window_);
-    const Index old = std::min(window_filled_, window_ - take);  // rows kept from earlier calls
     float* buf = window_queries_[static_cast<std::size_t>(l)].data();
-    for (Index h = 0; h < c.n_head; ++h) {
-      float* head = buf + h * window_ * d;
-      // the last `old` remembered rows move to the front (forward copy; destination starts first)
-      if (window_filled_ > old) std::copy(head + (window_filled_ - old) * d, head + window_filled_ * d, head);
+    const Index old = slide_window(buf, c.n_head, window_, d, window_filled_, n);  // rows kept from earlier calls
+    for (Index h = 0; h < c.n_head; ++h)
       for (Index i = 0; i < take; ++i) {
         const auto src = q.row(n - take + i).segment(h * d, d);
-        std::copy(src.data(), src.data() + d, head + (old + i) * d);
+        std::copy(src.data(), src.data() + d, buf + (h * window_ + old + i) * d);
       }
-    }
   }
 
-  /// Before layer l's forward over n new tokens: moves the window attention rows that stay (the newest
-  /// min(filled, window - n)) to the front of each query head's [window, capacity] rows; returns how many.
+  /// Before layer l's forward over n new tokens: slides its window attention rows ([H, window, capacity]);
+  /// returns how many rows of earlier calls stay, at the front.
   Index shift_window_attention(Index l, Index n) {
     if (!hands_attention_rows()) return 0;
-    const Index cap = cache_.capacity(), filled = attention_filled_[static_cast<std::size_t>(l)];
-    const Index old = std::min(filled, std::max<Index>(0, window_ - n));
-    float* buf = window_attention_[static_cast<std::size_t>(l)].data();
-    for (Index qh = 0; qh < model_->config.n_head; ++qh) {
-      float* head = buf + qh * window_ * cap;
-      if (filled > old) std::copy(head + (filled - old) * cap, head + filled * cap, head);  // destination first
-    }
-    return old;
+    const auto i = static_cast<std::size_t>(l);
+    return slide_window(window_attention_[i].data(), model_->config.n_head, window_, cache_.capacity(),
+                        attention_filled_[i], n);
   }
   /// Keeps the softmax rows of the new tokens among the last `window` positions: `scores` [bn, visible] are rows
   /// b0 .. b0 + bn - 1 of the n new tokens of query head qh over a cache of `length` rows, zero beyond each row's
